@@ -1,0 +1,281 @@
+"""Model configurations: frozen, hashable, static dataclasses built from a HF config.json or GGUF metadata.
+
+Everything that changes an array shape lives here; a config is passed to `jax.jit` as a static argument.
+Supported families: Llama (Llama 2/3, SmolLM2), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from jaxspec.errors import UserError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: "default" | "linear" | "llama3"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position: int = 8192  # llama3 only
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape-defining description of a decoder-only transformer."""
+
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UserError(
+                f"Architecture '{self.architecture}' is not supported; jaxspec runs {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UserError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_parameters(self) -> int:
+        """Number of weights, the embedding counted once when it is tied to the output."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
+        out = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.num_layers * layer + self.vocab_size * d + d + out
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from the dict of a Hugging Face `config.json`."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise UserError(
+                f"model_type '{model_type}' in config.json is not supported; jaxspec runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UserError(f"hidden_act '{raw['hidden_act']}' is not supported; only silu (SwiGLU) is.")
+        num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        return cls(
+            architecture=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=_rope_scaling_from_hf(rope_params),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_hf_config(cls, path: str) -> "ModelConfig":
+        """Builds a config from a Hugging Face folder (or a config.json path).
+
+        transformers' AutoConfig (no torch) validates and fills defaults; the result is read as a dict.
+        """
+        folder = os.path.dirname(path) if path.endswith(".json") else path
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise UserError(f"No config.json in '{folder}': a Hugging Face model folder needs one.")
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+        if raw.get("model_type") in SUPPORTED_ARCHITECTURES:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(folder, local_files_only=True)
+            merged = hf.to_dict()
+            merged.update({k: v for k, v in raw.items() if k not in merged})
+            raw = merged
+        return cls.from_hf_dict(raw)
+
+    @classmethod
+    def from_gguf(cls, reader) -> "ModelConfig":
+        """Builds a config from the metadata of a `gguf.GGUFReader`."""
+        meta = gguf_metadata(reader)
+        arch = meta.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UserError(
+                f"GGUF architecture '{arch}' is not supported; jaxspec runs {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+
+        def get(key, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", hidden // num_heads))
+        vocab = get("vocab_size")
+        if vocab is None:
+            vocab = len(meta["tokenizer.ggml.tokens"])
+        names = {t.name for t in reader.tensors}
+        scaling = RopeScaling()
+        kind = get("rope.scaling.type")
+        if kind == "linear":
+            scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
+        elif kind not in (None, "none"):
+            raise UserError(f"GGUF rope scaling '{kind}' is not supported (default, linear and llama3 are).")
+        if "rope_freqs.weight" in names:
+            raise UserError(
+                "This GGUF stores precomputed RoPE frequency factors (llama3 scaling); load the Hugging Face folder "
+                "of the model instead, whose config.json describes the scaling."
+            )
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            max_position_embeddings=int(get("context_length", 4096)),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config as a Hugging Face config.json dict (inverse of `from_hf_dict`)."""
+        rope = None
+        if self.rope_scaling.kind == "linear":
+            rope = {"rope_type": "linear", "factor": self.rope_scaling.factor}
+        elif self.rope_scaling.kind == "llama3":
+            s = self.rope_scaling
+            rope = {
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position,
+            }
+        eos = list(self.eos_token_ids)
+        return {
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "hidden_act": "silu",
+        }
+
+
+def _rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling:
+    kind = params.get("rope_type", params.get("type", "default")) if params else "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    raise UserError(f"RoPE scaling '{kind}' is not supported (default, linear and llama3 are).")
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+    """The scalar and string metadata of a GGUF file as a plain dict (arrays become lists)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # exotic field types carry nothing a config needs
+            continue
+    return meta
+
+
+# Known small configs used by tests and eval_shape checks.
+LLAMA3_8B = ModelConfig(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position=8192),
+    max_position_embeddings=131072,
+)
+QWEN3_8B = ModelConfig(
+    architecture="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    qk_norm=True,
+    max_position_embeddings=40960,
+)

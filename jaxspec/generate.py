@@ -1,0 +1,231 @@
+"""Autoregressive generation: prefill, one-token decode steps, and the jitted loop around them.
+
+Rows of a batch have their own prompt lengths: prompts are right-padded to a common width, every row's
+cache length starts at its own prompt length, and each row decodes at its own position. Rows that reached
+EOS stop advancing their cache and emit `PAD` (-1). Shapes are bucketed (prompt width to a multiple of 64,
+cache to a multiple of 128), so a generation never recompiles and most new prompts reuse a compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import KVCache, init_cache
+from jaxspec.config import ModelConfig
+from jaxspec.errors import UserError
+from jaxspec.model import Weights, causal_mask, forward
+from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
+
+PAD = -1  # emitted after a row's EOS
+PROMPT_BUCKET = 64
+CACHE_BUCKET = 128
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------- steps
+
+
+def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
+            **forward_kwargs):
+    """Runs the prompts and commits them to the (empty) cache.
+
+    Args:
+        tokens: int32[B, P] right-padded prompts; prompt_lengths: int32[B] (>= 1).
+    Returns:
+        (last_logits [B, V] at each row's last prompt token, ForwardOutput, cache with lengths = prompt_lengths).
+    """
+    b, p = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out = forward(weights, cfg, tokens, positions, cache, causal_mask(b, p), **forward_kwargs)
+    last = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    cache = dataclasses.replace(out.cache, lengths=cache.lengths + prompt_lengths.astype(jnp.int32))
+    return last, out, cache
+
+
+def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVCache, advance: jax.Array):
+    """Feeds one token per row at position lengths[b]; returns (logits [B, V], cache).
+
+    token: int32[B]; advance: bool[B], rows whose cache length moves on (finished rows stay put).
+    """
+    out = forward(weights, cfg, token[:, None], cache.lengths[:, None], cache)
+    cache = dataclasses.replace(out.cache, lengths=cache.lengths + advance.astype(jnp.int32))
+    return out.logits[:, 0], cache
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, jnp.bool_)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_size", "sampling", "eos_ids"))
+def generate_tokens(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    cache_size: int,
+    sampling: SamplingConfig = GREEDY,
+    eos_ids: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array]:
+    """Jitted autoregressive generation for a batch of right-padded prompts.
+
+    Args:
+        tokens: int32[B, P]; prompt_lengths: int32[B]; rng: a PRNG key (unused when greedy).
+    Returns:
+        (new_tokens int32[B, max_new_tokens] with PAD after each row's EOS, num_new int32[B] including the EOS).
+    """
+    b = tokens.shape[0]
+    cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
+    logits, _, cache = prefill(weights, cfg, tokens, prompt_lengths, cache)
+    first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
+    out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
+    done = _is_eos(first, eos_ids)
+
+    def cond(state):
+        step, _, _, _, done = state
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, out, last, done = state
+        logits, cache = decode_step(weights, cfg, last, cache, ~done)
+        new = sample_token(jax.random.fold_in(rng, step), logits, sampling)
+        new = jnp.where(done, PAD, new)
+        out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
+        return step + 1, cache, out, jnp.maximum(new, 0), done | _is_eos(new, eos_ids)
+
+    _, _, out, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, out, first, done))
+    return out, jnp.sum(out != PAD, axis=1).astype(jnp.int32)
+
+
+_prefill_jit = jax.jit(prefill, static_argnames=("cfg",), donate_argnames=("cache",))
+_decode_step_jit = jax.jit(decode_step, static_argnames=("cfg",), donate_argnames=("cache",))
+_sample_jit = jax.jit(sample_token, static_argnames=("sampling",))
+
+
+# ---------------------------------------------------------------------------------------------- host side
+
+
+@dataclasses.dataclass
+class Batch:
+    """Prompts padded for the device. tokens: int32[B, P]; lengths: int32[B]."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    cache_size: int
+
+
+def pad_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, cfg: ModelConfig,
+                max_cache_length: int | None = None) -> Batch:
+    """Right-pads token id lists into a bucketed batch and picks the cache size; checks everything fits.
+
+    Raises UserError if a prompt is empty or a prompt plus max_new_tokens does not fit the cache.
+    """
+    if not prompt_ids:
+        raise UserError("No prompts were given.")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    lengths = np.array([len(p) for p in prompt_ids], np.int32)
+    if lengths.min() == 0:
+        raise UserError("A prompt is empty after tokenization; give at least one token.")
+    limit = max_cache_length or cfg.max_position_embeddings
+    longest = int(lengths.max())
+    if longest + max_new_tokens > limit:
+        raise UserError(
+            f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs {longest + max_new_tokens} "
+            f"cache slots, more than the {limit} available; shorten the prompt, lower max_new_tokens, or raise "
+            "max_cache_length (at most the model's context length)."
+        )
+    width = round_up(longest, PROMPT_BUCKET)
+    tokens = np.zeros((len(prompt_ids), width), np.int32)
+    for row, ids in enumerate(prompt_ids):
+        tokens[row, : len(ids)] = ids
+    cache_size = min(round_up(width + max_new_tokens, CACHE_BUCKET), round_up(limit, CACHE_BUCKET))
+    return Batch(tokens=tokens, lengths=lengths, cache_size=cache_size)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Per row: the new token ids (EOS included when reached), plus timing for the whole batch."""
+
+    token_ids: list[list[int]]
+    seconds: float
+    prefill_seconds: float = float("nan")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def generate(
+    weights: Weights,
+    cfg: ModelConfig,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    max_cache_length: int | None = None,
+) -> GenerationResult:
+    """Generates for a batch of token-id prompts of any lengths; returns the new ids of every row."""
+    batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length)
+    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    start = time.perf_counter()
+    out, counts = generate_tokens(
+        weights, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jax.random.key(seed),
+        max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling, eos_ids=eos,
+    )
+    out, counts = np.asarray(out), np.asarray(counts)
+    seconds = time.perf_counter() - start
+    return GenerationResult(token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))], seconds=seconds)
+
+
+def stream_generate(
+    weights: Weights,
+    cfg: ModelConfig,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    max_cache_length: int | None = None,
+) -> Iterator[np.ndarray]:
+    """Yields int32[B] each step as tokens come (PAD for rows already finished).
+
+    Same tokens as `generate` for the same arguments: the same prefill, decode step and per-step keys.
+    """
+    batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length)
+    eos = np.asarray(tuple(cfg.eos_token_ids if eos_ids is None else eos_ids), np.int32)
+    rng = jax.random.key(seed)
+    cache = init_cache(cfg, len(batch.lengths), batch.cache_size, weights.embed.dtype)
+    logits, _, cache = _prefill_jit(weights, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), cache)
+    last = _sample_jit(jax.random.fold_in(rng, 0), logits, sampling)
+    done = np.zeros(len(batch.lengths), bool)
+    for step in range(max_new_tokens):
+        if step > 0:
+            logits, cache = _decode_step_jit(weights, cfg, last, cache, jnp.asarray(~done))
+            last = _sample_jit(jax.random.fold_in(rng, step), logits, sampling)
+        tokens = np.where(done, PAD, np.asarray(last))
+        yield tokens
+        done |= np.isin(tokens, eos)
+        if done.all():
+            return

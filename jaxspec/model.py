@@ -1,0 +1,254 @@
+"""The target model: one pure forward function over stacked, scanned layers.
+
+`forward` does prefill, one-token decode, many-token (tree) verification and feature extraction: the caller
+chooses the tokens, their RoPE positions, the mask among the new tokens, and which layers' hidden states come
+back. It can also run a layer range [start, end) from given hidden states (early exit, pipeline stages).
+
+Einsum letters: b batch, t new tokens (queries), u new tokens (keys), s cache slots, d model width,
+k key/value heads, g query heads per kv head, h head dim, f feed-forward width, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import KVCache, write_new_entries
+from jaxspec.config import ModelConfig
+
+NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerWeights:
+    """Per-layer weights, every field stacked with a leading layer axis L."""
+
+    attn_norm: jax.Array  # [L, d]
+    wq: jax.Array  # [L, d, Hq, h]
+    wk: jax.Array  # [L, d, Hkv, h]
+    wv: jax.Array  # [L, d, Hkv, h]
+    wo: jax.Array  # [L, Hq, h, d]
+    mlp_norm: jax.Array  # [L, d]
+    w_gate: jax.Array  # [L, d, f]
+    w_up: jax.Array  # [L, d, f]
+    w_down: jax.Array  # [L, f, d]
+    bq: jax.Array | None = None  # [L, Hq, h] (Qwen2)
+    bk: jax.Array | None = None  # [L, Hkv, h]
+    bv: jax.Array | None = None  # [L, Hkv, h]
+    q_norm: jax.Array | None = None  # [L, h] (Qwen3)
+    k_norm: jax.Array | None = None  # [L, h]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    """All weights of a decoder. `lm_head` is None when the output is tied to the embedding."""
+
+    embed: jax.Array  # [V, d]
+    layers: LayerWeights
+    final_norm: jax.Array  # [d]
+    lm_head: jax.Array | None = None  # [d, V]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardOutput:
+    """What `forward` returns. logits: [B, T, V] float32 (None when the range stops before the last layer);
+    hidden: [n, B, T, d], the residual stream after each layer the caller named (None if none); last_hidden:
+    [B, T, d], the residual stream after the range's last layer, before the final norm; cache: with the new
+    entries written (lengths unchanged), None when no cache was given."""
+
+    logits: jax.Array | None
+    hidden: jax.Array | None
+    last_hidden: jax.Array
+    cache: KVCache | None
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x: [..., d], weight: [d]. Computed in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """float32[h/2]: RoPE inverse frequencies with the config's scaling (a static constant)."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    s = cfg.rope_scaling
+    if s.kind == "linear":
+        inv = inv / s.factor
+    elif s.kind == "llama3":
+        low_wavelen = s.original_max_position / s.low_freq_factor
+        high_wavelen = s.original_max_position / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x: [B, T, H, h]; positions: int32[B, T]. Rotates halves (the Hugging Face layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, h/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
+    """bool[B, T, T]: each new token sees itself and the new tokens before it."""
+    mask = jnp.tril(jnp.ones((num_tokens, num_tokens), jnp.bool_))
+    return jnp.broadcast_to(mask, (batch_size, num_tokens, num_tokens))
+
+
+def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
+    """Attention of T new queries over the committed cache slots plus the new tokens under `mask`.
+
+    q: [B, T, Hq, h]; new_k, new_v: [B, T, Hkv, h]; cache_k, cache_v: [B, Hkv, S, h] or None;
+    cache_lengths: int32[B]; mask: bool[B, T, T] (query t may see new token u). Returns [B, T, Hq, h].
+    """
+    b, t, hq, h = q.shape
+    hkv = new_k.shape[2]
+    q = q.reshape(b, t, hkv, hq // hkv, h) * (1.0 / math.sqrt(h))  # [b, t, k, g, h]
+    scores_new = jnp.einsum("btkgh,bukh->bkgtu", q, new_k, preferred_element_type=jnp.float32)
+    scores_new = jnp.where(mask[:, None, None, :, :], scores_new, NEG_INF)
+    if cache_k is None:
+        probs = jax.nn.softmax(scores_new, axis=-1)
+        out = jnp.einsum("bkgtu,bukh->btkgh", probs.astype(new_v.dtype), new_v)
+        return out.reshape(b, t, hq, h)
+    s = cache_k.shape[2]
+    scores_cache = jnp.einsum("btkgh,bksh->bkgts", q, cache_k.astype(q.dtype), preferred_element_type=jnp.float32)
+    visible = jnp.arange(s)[None, :] < cache_lengths[:, None]  # [b, s]
+    scores_cache = jnp.where(visible[:, None, None, None, :], scores_cache, NEG_INF)
+    probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)
+    probs_cache, probs_new = probs[..., :s], probs[..., s:]
+    out = jnp.einsum("bkgts,bksh->btkgh", probs_cache.astype(q.dtype), cache_v.astype(q.dtype))
+    out = out + jnp.einsum("bkgtu,bukh->btkgh", probs_new.astype(new_v.dtype), new_v)
+    return out.reshape(b, t, hq, h)
+
+
+def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask):
+    """One decoder layer. x: [B, T, d]; lw: one layer's weights (no L axis); cache_k/v: [B, Hkv, S, h] or None.
+
+    Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]).
+    """
+    hx = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", hx, lw.wq)
+    k = jnp.einsum("btd,dkh->btkh", hx, lw.wk)
+    v = jnp.einsum("btd,dkh->btkh", hx, lw.wv)
+    if lw.bq is not None:
+        q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask)
+    x = x + jnp.einsum("btnh,nhd->btd", attn, lw.wo)
+    hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", hx, lw.w_gate)
+    up = jnp.einsum("btd,df->btf", hx, lw.w_up)
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw.w_down)
+    return x, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def embed_tokens(weights: Weights, tokens: jax.Array) -> jax.Array:
+    """tokens: int32[B, T] -> [B, T, d]."""
+    return jnp.take(weights.embed, tokens, axis=0)
+
+
+def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """x: [B, T, d] residual stream -> float32 logits [B, T, V] (final norm, then the output projection)."""
+    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    if weights.lm_head is None:
+        return jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+def forward(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens: jax.Array | None,
+    positions: jax.Array,
+    cache: KVCache | None = None,
+    mask: jax.Array | None = None,
+    *,
+    hidden_layers: tuple[int, ...] = (),
+    layer_range: tuple[int, int] | None = None,
+    hidden_in: jax.Array | None = None,
+    compute_logits: bool = True,
+) -> ForwardOutput:
+    """Runs the decoder on T new tokens per row.
+
+    Args:
+        weights: the model's weights.
+        cfg: its config (static).
+        tokens: int32[B, T] new tokens; None when the range starts after layer 0 (then `hidden_in` is used).
+        positions: int32[B, T] RoPE positions of the new tokens.
+        cache: committed context; the new tokens attend to its slots [0, lengths[b]) and their keys and
+            values are written at [lengths[b], lengths[b] + T) for the layers run. None: no context.
+        mask: bool[B, T, T], which new tokens each new token sees (causal for prefill and decode, a tree's
+            ancestor mask for verification). Default: causal.
+        hidden_layers: indices i of the layers whose output (residual stream after layer i) to return.
+            They must lie in the range run.
+        layer_range: (start, end) to run only layers [start, end); default all.
+        hidden_in: [B, T, d] input residual stream when start > 0.
+        compute_logits: whether to apply the final norm and LM head (only when end == num_layers).
+
+    Returns:
+        ForwardOutput with logits [B, T, V], hidden [n, B, T, d], last_hidden [B, T, d] and the cache.
+    """
+    start, end = layer_range if layer_range is not None else (0, cfg.num_layers)
+    if not 0 <= start < end <= cfg.num_layers:
+        raise ValueError(f"layer_range {layer_range} is not within [0, {cfg.num_layers}].")
+    for i in hidden_layers:
+        if not start <= i < end:
+            raise ValueError(f"hidden layer {i} is outside the layer range [{start}, {end}).")
+    if start == 0:
+        x = embed_tokens(weights, tokens)
+    else:
+        if hidden_in is None:
+            raise ValueError("hidden_in is required when the layer range starts after layer 0.")
+        x = hidden_in
+    b, t = positions.shape
+    if mask is None:
+        mask = causal_mask(b, t)
+    inv_freq = rope_inverse_frequencies(cfg)
+    layers = jax.tree.map(lambda w: w[start:end], weights.layers)
+
+    if cache is not None:
+        cache_lengths = cache.lengths
+        layer_cache = (cache.k[start:end], cache.v[start:end])  # [Lr, B, Hkv, S, h] each
+    else:
+        cache_lengths = jnp.zeros((b,), jnp.int32)
+        layer_cache = (None, None)
+    keep_hidden = bool(hidden_layers)
+
+    def body(x, per_layer):
+        lw, ck, cv = per_layer
+        x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask)
+        return x, (nk, nv, x if keep_hidden else None)
+
+    x, (new_k, new_v, all_hidden) = jax.lax.scan(body, x, (layers, *layer_cache))
+
+    hidden = None
+    if keep_hidden:
+        hidden = all_hidden[jnp.array([i - start for i in hidden_layers])]  # [n, B, T, d]
+    new_cache = write_new_entries(cache, new_k, new_v, layer_start=start) if cache is not None else None
+    logits = lm_head(weights, cfg, x) if (compute_logits and end == cfg.num_layers) else None
+    return ForwardOutput(logits=logits, hidden=hidden, last_hidden=x, cache=new_cache)
