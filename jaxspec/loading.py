@@ -90,7 +90,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bo
     if with_tokenizer:
         from jaxspec.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(path)
+        try:
+            tokenizer = load_tokenizer(path)
+        except FileNotFoundError:  # a weights-only folder: the model runs on token ids
+            tokenizer = None
+        except ValueError as e:
+            raise UserError(str(e)) from None
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
 
 
@@ -113,7 +118,7 @@ def open_gguf(path: str):
 def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undoes llama.cpp's Q/K row permutation. w: [out, in] with out = num_heads * h."""
     out, inp = w.shape
-    return w.reshape(num_heads, 2, out // num_heads // 2, inp).swapaxes(1, 2).reshape(out, inp)
+    return w.reshape(num_heads, out // num_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
 def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:

@@ -411,3 +411,18 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         f"The folder {path!r} holds no tokenizer.json or tokenizer_config.json"
         + (f" and several GGUF files {ggufs}; pass one of them." if ggufs else ".")
     )
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool | None = None) -> list[int]:
+    """Token ids of a user prompt: through the chat template (as one user turn, generation prompt added) when `chat`
+    is true, or when it is None and the tokenizer has a template; as plain text otherwise."""
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; run without --chat (or with --no-chat).")
+        templated = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer.encode(templated, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=True)
