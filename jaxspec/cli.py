@@ -1,0 +1,163 @@
+"""The `jaxspec` command line.
+
+    jaxspec generate --prompt "What is the capital of France?"
+    jaxspec generate --model path/to/model.gguf --prompts-file prompts.jsonl --json
+
+Mistakes a user can fix (a missing model, a bad file, a prompt that does not fit) print one line on stderr and
+exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from jaxspec.errors import UserError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from jaxspec.loading import DEFAULT_MODEL, KNOWN_MODELS
+
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a known name ({', '.join(KNOWN_MODELS)}), a .gguf file or a Hugging Face folder")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weight and activation dtype (auto: float32 on CPU, bfloat16 on TPU/GPU)")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    p.add_argument("--prompts-file", help="JSON Lines file, one object with a \"prompt\" field per line")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the chat template (default when the model has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="feed the prompt as plain text")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-cache-length", type=int, default=None,
+                   help="cache slots per row (default: the model's context length)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together with --json")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding for LLMs in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text with a target model")
+    _add_model_args(gen)
+    _add_generation_args(gen)
+    return parser
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """Prompts from a JSON Lines file; a clear error names the bad line."""
+    if not os.path.isfile(path):
+        raise UserError(f"No prompts file at '{path}'.")
+    prompts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{number} is not valid JSON ({e.msg}); write one JSON object per line.") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise UserError(f"{path}:{number} has no string field \"prompt\"; write {{\"prompt\": \"...\"}}.")
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise UserError(f"'{path}' holds no prompts.")
+    return prompts
+
+
+def _dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def cmd_generate(args) -> None:
+    from jaxspec.generate import generate, stream_generate
+    from jaxspec.loading import load_model
+    from jaxspec.sampling import SamplingConfig
+    from jaxspec.tokenizer import encode_prompt
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts_file(args.prompts_file)
+    if not prompts:
+        raise UserError("Give a prompt with --prompt TEXT or --prompts-file FILE.")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    model = load_model(args.model, dtype=_dtype(args.dtype))
+    if model.tokenizer is None:
+        raise UserError(f"'{model.source}' has no tokenizer (tokenizer.json); add one to the folder to prompt with text.")
+    try:
+        prompt_ids = [encode_prompt(model.tokenizer, p, args.chat) for p in prompts]
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                   max_cache_length=args.max_cache_length)
+    eos = set(model.config.eos_token_ids)
+
+    if args.json:
+        for start in range(0, len(prompts), args.batch_size):
+            rows = prompt_ids[start: start + args.batch_size]
+            result = generate(model.weights, model.config, rows, **options)
+            for i, ids in enumerate(result.token_ids):
+                text_ids = [t for t in ids if t not in eos]
+                record = {
+                    "prompt": prompts[start + i],
+                    "prompt_ids": rows[i],
+                    "token_ids": ids,
+                    "text": model.tokenizer.decode(text_ids, skip_special_tokens=True),
+                    "stats": {
+                        "tokens": len(ids),
+                        "seconds": round(result.seconds, 4),
+                        "tokens_per_second": round(len(ids) / result.seconds, 2),
+                        "batch_size": len(rows),
+                    },
+                }
+                print(json.dumps(record, ensure_ascii=False), flush=True)
+        return
+
+    for ids in prompt_ids:
+        generated: list[int] = []
+        printed = ""
+        start = time.perf_counter()
+        for step_tokens in stream_generate(model.weights, model.config, [ids], **options):
+            token = int(step_tokens[0])
+            if token in eos or token < 0:
+                break
+            generated.append(token)
+            text = model.tokenizer.decode(generated, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+        seconds = time.perf_counter() - start
+        sys.stdout.write("\n")
+        print(f"[{len(generated)} tokens in {seconds:.2f} s, {len(generated) / seconds:.1f} tokens/s]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            cmd_generate(args)
+    except UserError as e:
+        print(f"jaxspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

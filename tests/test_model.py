@@ -1,0 +1,195 @@
+"""The forward pass against Hugging Face transformers (torch) on the same weights.
+
+Reference values come from scripts/make_reference.py (transformers 5.24 + torch 2.13, float32), committed under
+tests/fixtures/ because torch is not a jaxspec dependency.
+"""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import init_cache
+from jaxspec.config import LLAMA3_8B, QWEN3_8B, ModelConfig, RopeScaling
+from jaxspec.generate import decode_step, generate, prefill
+from jaxspec.model import Weights, causal_mask, forward
+
+
+def _positions(ids):
+    return jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+
+
+def test_tiny_logits_and_hidden_states_match_transformers(tiny):
+    name, model, ref = tiny
+    ids = jnp.asarray(ref["input_ids"])  # [2, 40]
+    cfg = model.config
+    out = forward(model.weights, cfg, ids, _positions(ids), hidden_layers=tuple(range(cfg.num_layers)))
+    np.testing.assert_allclose(np.asarray(out.logits), ref["logits"], atol=1e-4, rtol=1e-4, err_msg=name)
+    # HF hidden_states[i + 1] is the output of layer i, except the last, which HF gives after the final norm.
+    for i in range(cfg.num_layers - 1):
+        np.testing.assert_allclose(np.asarray(out.hidden[i]), ref["hidden_states"][i + 1], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.hidden[-1]), np.asarray(out.last_hidden))
+
+
+def test_tiny_greedy_matches_transformers(tiny):
+    name, model, ref = tiny
+    prompt = ref["prompt"][0].tolist()
+    result = generate(model.weights, model.config, [prompt], max_new_tokens=20, eos_ids=())
+    assert result.token_ids[0] == ref["greedy"][0].tolist(), name
+
+
+def test_smollm2_logits_match_transformers(smollm2, smollm2_reference):
+    ref = smollm2_reference
+    ids = jnp.asarray(ref["logits_ids"])  # [1, 37]
+    logits = np.asarray(forward(smollm2.weights, smollm2.config, ids, _positions(ids)).logits[0])
+    # Same dequantized float32 weights; differences are float32 summation order (observed 6e-5 on logits ~37).
+    np.testing.assert_allclose(logits[-8:], ref["logits"], atol=1e-3)
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits_all_argmax"])
+    np.testing.assert_allclose(logits.max(-1), ref["logits_all_max"], atol=1e-3)
+
+
+def test_smollm2_greedy_chat_matches_transformers_batched(smollm2, smollm2_reference):
+    """Four chat prompts of different lengths in one batch; each row equals transformers' greedy output."""
+    ref = smollm2_reference
+    from jaxspec.tokenizer import encode_prompt
+    import json
+
+    prompts = json.loads(str(ref["prompts"]))
+    ids = [encode_prompt(smollm2.tokenizer, p) for p in prompts]
+    for i, row in enumerate(ids):
+        assert row == ref[f"prompt_ids_{i}"].reshape(-1).tolist()
+    assert len({len(r) for r in ids}) > 1, "the prompts should have different lengths"
+    result = generate(smollm2.weights, smollm2.config, ids, max_new_tokens=48)
+    for i in range(len(prompts)):
+        assert result.token_ids[i] == ref[f"greedy_{i}"].reshape(-1).tolist(), prompts[i]
+
+
+def test_cached_decoding_equals_full_forward(tiny):
+    """Prefill 30 tokens, decode 10 one at a time: logits equal one forward over all 40."""
+    _, model, ref = tiny
+    cfg, w = model.config, model.weights
+    ids = jnp.asarray(ref["input_ids"])  # [2, 40]
+    full = np.asarray(forward(w, cfg, ids, _positions(ids)).logits)
+    cache = init_cache(cfg, 2, 64)
+    lengths = jnp.array([30, 30], jnp.int32)
+    last, _, cache = prefill(w, cfg, ids[:, :30], lengths, cache)
+    np.testing.assert_allclose(np.asarray(last), full[:, 29], atol=1e-4)
+    for t in range(30, 40):
+        logits, cache = decode_step(w, cfg, ids[:, t], cache, jnp.ones(2, bool))
+        np.testing.assert_allclose(np.asarray(logits), full[:, t], atol=1e-4)
+    assert cache.lengths.tolist() == [40, 40]
+
+
+def test_tree_mask_verification_equals_separate_branches(tiny):
+    """Two branches verified together under an ancestor mask give the logits of each branch run alone."""
+    _, model, ref = tiny
+    cfg, w = model.config, model.weights
+    ids = jnp.asarray(ref["input_ids"][:1])  # [1, 40]
+    context, a, b = ids[:, :20], ids[:, 20:23], ids[:, 30:32]
+    cache = init_cache(cfg, 1, 64)
+    _, _, cache = prefill(w, cfg, context, jnp.array([20]), cache)
+    # nodes: a0 a1 a2 (chain) and b0 b1 (chain), both hanging off the context
+    tokens = jnp.concatenate([a, b], axis=1)  # [1, 5]
+    positions = jnp.array([[20, 21, 22, 20, 21]], jnp.int32)
+    mask = jnp.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]], bool)
+    tree = forward(w, cfg, tokens, positions, cache, mask[None]).logits[0]
+    for branch, rows in ((a, slice(0, 3)), (b, slice(3, 5))):
+        seq = jnp.concatenate([context, branch], axis=1)
+        alone = forward(w, cfg, seq, _positions(seq)).logits[0, 20:]
+        np.testing.assert_allclose(np.asarray(tree[rows]), np.asarray(alone), atol=1e-4)
+
+
+def test_layer_range_composes_to_full_forward(tiny):
+    _, model, ref = tiny
+    cfg, w = model.config, model.weights
+    ids = jnp.asarray(ref["input_ids"])
+    pos = _positions(ids)
+    full = forward(w, cfg, ids, pos)
+    low = forward(w, cfg, ids, pos, layer_range=(0, 1), compute_logits=False)
+    assert low.logits is None
+    high = forward(w, cfg, None, pos, layer_range=(1, cfg.num_layers), hidden_in=low.last_hidden)
+    np.testing.assert_allclose(np.asarray(high.logits), np.asarray(full.logits), atol=1e-5)
+
+
+def test_rows_of_a_batch_are_independent(tiny):
+    """A row's logits do not depend on the other rows (their lengths, their padding)."""
+    _, model, ref = tiny
+    cfg, w = model.config, model.weights
+    ids = jnp.asarray(ref["input_ids"])
+    cache = init_cache(cfg, 2, 64)
+    lengths = jnp.array([12, 33], jnp.int32)
+    last, _, _ = prefill(w, cfg, ids[:, :33], lengths, cache)
+    for row, n in enumerate((12, 33)):
+        alone = forward(w, cfg, ids[row:row + 1, :n], _positions(ids[row:row + 1, :n])).logits[0, -1]
+        np.testing.assert_allclose(np.asarray(last[row]), np.asarray(alone), atol=1e-4)
+
+
+def _abstract_weights(cfg: ModelConfig, dtype=jnp.bfloat16) -> Weights:
+    from jaxspec.model import LayerWeights
+
+    L, d, f, h, v = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
+    hq, hk = cfg.num_heads, cfg.num_kv_heads
+
+    def s(*shape):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    layers = LayerWeights(
+        attn_norm=s(L, d), wq=s(L, d, hq, h), wk=s(L, d, hk, h), wv=s(L, d, hk, h), wo=s(L, hq, h, d),
+        mlp_norm=s(L, d), w_gate=s(L, d, f), w_up=s(L, d, f), w_down=s(L, f, d),
+        q_norm=s(L, h) if cfg.qk_norm else None, k_norm=s(L, h) if cfg.qk_norm else None,
+    )
+    return Weights(embed=s(v, d), layers=layers, final_norm=s(d), lm_head=None if cfg.tie_word_embeddings else s(d, v))
+
+
+def test_full_size_configs_trace_without_memory():
+    """jax.eval_shape of prefill + decode for Llama-3-8B and Qwen3-8B (no weights are allocated)."""
+    for cfg in (LLAMA3_8B, QWEN3_8B):
+        weights = _abstract_weights(cfg)
+        cache = jax.eval_shape(lambda: init_cache(cfg, 2, 1024, jnp.bfloat16))
+        tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+        last, _, cache = jax.eval_shape(lambda w, t, n, c: prefill(w, cfg, t, n, c), weights, tokens, lengths, cache)
+        assert last.shape == (2, cfg.vocab_size) and cache.k.shape == (cfg.num_layers, 2, 8, 1024, 128)
+        logits, _ = jax.eval_shape(
+            lambda w, t, c: decode_step(w, cfg, t, c, jnp.ones(2, bool)), weights,
+            jax.ShapeDtypeStruct((2,), jnp.int32), cache)
+        assert logits.shape == (2, cfg.vocab_size)
+
+
+def test_config_round_trips_through_hf_dict(tiny):
+    name, model, _ = tiny
+    for cfg in (model.config, LLAMA3_8B, QWEN3_8B):
+        assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert ModelConfig.from_hf_config(f"tests/fixtures/tiny-{name}") == model.config
+
+
+def test_configs_read_from_files(tiny, smollm2):
+    name, model, _ = tiny
+    cfg = model.config
+    if name == "qwen2":
+        assert cfg.attention_bias and not cfg.qk_norm and not cfg.tie_word_embeddings
+    if name == "qwen3":
+        assert cfg.qk_norm and cfg.head_dim == 32 and cfg.tie_word_embeddings and cfg.rope_theta == 1e6
+    if name == "llama3":
+        assert cfg.rope_scaling == RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                               original_max_position=64)
+    s = smollm2.config
+    assert (s.architecture, s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert s.tie_word_embeddings and s.rope_theta == 1e5 and s.vocab_size == 49152 and s.eos_token_ids == (2,)
+
+
+def test_prefill_mask_is_causal():
+    mask = causal_mask(1, 3)[0]
+    np.testing.assert_array_equal(np.asarray(mask), [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+
+
+def test_bfloat16_weights_run(tiny):
+    _, model, ref = tiny
+    w16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.weights)
+    ids = jnp.asarray(ref["input_ids"])
+    logits = forward(w16, model.config, ids, _positions(ids)).logits
+    assert logits.dtype == jnp.float32
+    agree = np.mean(np.asarray(logits).argmax(-1) == ref["logits"].argmax(-1))
+    assert agree > 0.8, agree
+
+
