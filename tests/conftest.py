@@ -40,3 +40,11 @@ def tiny(request):
     name = request.param
     model = load_model(fixture_path(f"tiny-{name}"))
     return name, model, np.load(fixture_path(f"tiny_{name}_reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3():
+    """(name, LoadedModel, reference npz) of the tiny Llama-3 (one architecture is enough for decoding logic)."""
+    from jaxspec import load_model
+
+    return "llama3", load_model(fixture_path("tiny-llama3")), np.load(fixture_path("tiny_llama3_reference.npz"))

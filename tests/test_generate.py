@@ -1,0 +1,150 @@
+"""Autoregressive generation: batches of ragged prompts, EOS, streaming, sampling, no recompilation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.errors import UserError
+from jaxspec.generate import PAD, generate, generate_tokens, pad_prompts, stream_generate
+from jaxspec.sampling import SamplingConfig, process_logits, sample_token
+
+
+def _prompts(ref):
+    ids = ref["input_ids"]
+    return [ids[0, :5].tolist(), ids[1, :17].tolist(), ids[0, 3:40].tolist()]
+
+
+def test_batch_rows_equal_single_rows(tiny_llama3):
+    """Each row of a ragged batch decodes exactly as it would alone."""
+    _, model, ref = tiny_llama3
+    prompts = _prompts(ref)
+    batched = generate(model.weights, model.config, prompts, max_new_tokens=12, eos_ids=())
+    for row, prompt in enumerate(prompts):
+        alone = generate(model.weights, model.config, [prompt], max_new_tokens=12, eos_ids=())
+        assert batched.token_ids[row] == alone.token_ids[0]
+
+
+def test_eos_stops_each_row_on_its_own(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _prompts(ref)
+    free = generate(model.weights, model.config, prompts, max_new_tokens=12, eos_ids=())
+    eos = free.token_ids[1][4]  # row 1 reaches this token at step 4
+    stopped = generate(model.weights, model.config, prompts, max_new_tokens=12, eos_ids=(eos,))
+    for row in range(len(prompts)):
+        full = free.token_ids[row]
+        expected = full[: full.index(eos) + 1] if eos in full else full
+        assert stopped.token_ids[row] == expected
+    assert len(stopped.token_ids[1]) <= 5
+
+
+def test_stream_yields_the_same_tokens_as_generate(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _prompts(ref)
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)):
+        whole = generate(model.weights, model.config, prompts, max_new_tokens=10, sampling=sampling, seed=3,
+                         eos_ids=())
+        steps = np.stack(list(stream_generate(model.weights, model.config, prompts, max_new_tokens=10,
+                                              sampling=sampling, seed=3, eos_ids=())), axis=1)
+        assert [row.tolist() for row in steps] == whole.token_ids
+
+
+def test_sampling_is_reproducible_and_seed_dependent(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _prompts(ref)
+    sampling = SamplingConfig(temperature=1.0)
+    a = generate(model.weights, model.config, prompts, max_new_tokens=16, sampling=sampling, seed=1, eos_ids=())
+    b = generate(model.weights, model.config, prompts, max_new_tokens=16, sampling=sampling, seed=1, eos_ids=())
+    c = generate(model.weights, model.config, prompts, max_new_tokens=16, sampling=sampling, seed=2, eos_ids=())
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_no_recompilation_across_prompts_and_steps(tiny_llama3):
+    """One compilation serves prompts of different lengths (same bucket) and every decoding step."""
+    _, model, ref = tiny_llama3
+    ids = ref["input_ids"]
+    generate(model.weights, model.config, [ids[0, :7].tolist()], max_new_tokens=9, eos_ids=())
+    before = generate_tokens._cache_size()
+    generate(model.weights, model.config, [ids[1, :30].tolist()], max_new_tokens=9, eos_ids=())
+    generate(model.weights, model.config, [ids[0, :2].tolist()], max_new_tokens=9, eos_ids=())
+    assert generate_tokens._cache_size() == before
+
+
+def test_generation_pads_after_eos_and_counts(tiny_llama3):
+    _, model, ref = tiny_llama3
+    batch = pad_prompts(_prompts(ref), 8, model.config)
+    free, _ = generate_tokens(model.weights, model.config, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+                              jax.random.key(0), max_new_tokens=8, cache_size=batch.cache_size)
+    eos = int(free[0, 2])
+    out, counts = generate_tokens(model.weights, model.config, jnp.asarray(batch.tokens),
+                                  jnp.asarray(batch.lengths), jax.random.key(0), max_new_tokens=8,
+                                  cache_size=batch.cache_size, eos_ids=(eos,))
+    first = list(np.asarray(out[0])).index(eos)
+    assert counts[0] == first + 1 and np.all(np.asarray(out[0, first + 1:]) == PAD)
+
+
+def test_prompt_too_long_for_the_cache_is_a_clear_error(tiny_llama3):
+    _, model, ref = tiny_llama3
+    with pytest.raises(UserError, match="cache slots"):
+        pad_prompts([list(range(40))], 30, model.config, max_cache_length=64)
+    with pytest.raises(UserError, match="empty"):
+        pad_prompts([[]], 4, model.config)
+
+
+# ---------------------------------------------------------------------------------------------- sampling rules
+
+
+def _reference_probs(logits, temperature, top_k, top_p):
+    """numpy: the HF-style warpers (temperature, then top-k, then top-p keeping the smallest set >= top_p)."""
+    z = logits / temperature
+    if top_k:
+        z = np.where(z < np.sort(z)[::-1][top_k - 1], -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(-p)
+        keep = np.zeros_like(p, bool)
+        mass = 0.0
+        for i in order:
+            keep[i] = True
+            mass += p[i]
+            if mass >= top_p:
+                break
+        p = np.where(keep, p, 0)
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (0.9, 4, 0.6)])
+def test_process_logits_matches_reference_rules(temperature, top_k, top_p):
+    logits = np.array([2.0, 1.5, 0.3, -1.0, 0.9, 1.1, -0.2, 0.0], np.float32)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = np.exp(np.asarray(process_logits(jnp.asarray(logits), sampling)))
+    np.testing.assert_allclose(got, _reference_probs(logits.astype(np.float64), temperature, top_k, top_p), atol=1e-6)
+
+
+def test_greedy_is_a_point_mass_on_the_argmax():
+    logits = jnp.array([[0.1, 3.0, -2.0, 2.9]])
+    p = np.exp(np.asarray(process_logits(logits, SamplingConfig())))
+    np.testing.assert_array_equal(p, [[0, 1, 0, 0]])
+    assert int(sample_token(jax.random.key(0), logits, SamplingConfig())[0]) == 1
+
+
+def test_samples_follow_the_distribution():
+    """20k draws: every token's frequency within 5 standard errors of p (a check that can fail)."""
+    logits = jnp.array([1.0, 0.2, -0.5, 2.0, 0.0])
+    sampling = SamplingConfig(temperature=0.9, top_k=4)
+    p = _reference_probs(np.asarray(logits, np.float64), 0.9, 4, 1.0)
+    n = 20000
+    draws = jax.vmap(lambda k: sample_token(k, logits[None], sampling)[0])(jax.random.split(jax.random.key(0), n))
+    freq = np.bincount(np.asarray(draws), minlength=5) / n
+    sigma = np.sqrt(p * (1 - p) / n) + 1e-12
+    assert np.all(np.abs(freq - p) <= 5 * sigma), (freq, p)
+    assert freq[np.argmin(p)] == 0.0  # the token top-k removed never appears
+
+
+def test_bad_sampling_settings_are_clear_errors():
+    for kwargs in ({"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(UserError):
+            SamplingConfig(**kwargs)

@@ -1,0 +1,291 @@
+"""Tests for jaxspec.sharding: sharded forwards on 8 fake CPU devices equal the one-device forward.
+
+The multi-device checks need `XLA_FLAGS=--xla_force_host_platform_device_count=8` set before JAX initialises its
+backend, which has already happened in a pytest process that ran other tests. So this file doubles as a script:
+the module fixture runs `python tests/test_sharding.py --child` in a fresh process with that flag, the child runs
+every mesh and prints one JSON line of results, and the tests here assert on them. The table and error checks
+that need no devices run in-process (with `AbstractMesh`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from jaxspec import sharding
+from jaxspec.cache import init_cache
+from jaxspec.config import ModelConfig
+from jaxspec.errors import UserError
+from jaxspec.model import LayerWeights, Weights
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NUM_FAKE_DEVICES = 8
+MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))  # (data, model)
+TOLERANCE = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+
+
+def tiny_config(architecture: str, num_kv_heads: int) -> ModelConfig:
+    """8 query heads of dim 8 (d=64), f=128, V=256, 2 layers. qwen2 has biases and an untied head; the llama
+    variant ties the output to the embedding so both output paths meet a vocabulary-sharded matrix."""
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=num_kv_heads,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=architecture == "llama",
+        attention_bias=architecture == "qwen2",
+        max_position_embeddings=128,
+    )
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
+    """float32 weights in the `Weights` layout, scaled so activations and logits stay O(1)."""
+    L, d, hq, hkv, h, f, v = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                              cfg.intermediate_size, cfg.vocab_size)
+    keys = iter(jax.random.split(jax.random.key(seed), 20))
+
+    def normal(shape, scale):
+        return scale * jax.random.normal(next(keys), shape, jnp.float32)
+
+    def norm(shape):
+        return 1.0 + normal(shape, 0.1)
+
+    bias = cfg.attention_bias
+    layers = LayerWeights(
+        attn_norm=norm((L, d)),
+        wq=normal((L, d, hq, h), d**-0.5),
+        wk=normal((L, d, hkv, h), d**-0.5),
+        wv=normal((L, d, hkv, h), d**-0.5),
+        wo=normal((L, hq, h, d), (hq * h) ** -0.5),
+        mlp_norm=norm((L, d)),
+        w_gate=normal((L, d, f), d**-0.5),
+        w_up=normal((L, d, f), d**-0.5),
+        w_down=normal((L, f, d), f**-0.5),
+        bq=normal((L, hq, h), 0.1) if bias else None,
+        bk=normal((L, hkv, h), 0.1) if bias else None,
+        bv=normal((L, hkv, h), 0.1) if bias else None,
+    )
+    return Weights(
+        embed=normal((v, d), 1.0),
+        layers=layers,
+        final_norm=norm((d,)),
+        lm_head=None if cfg.tie_word_embeddings else normal((d, v), d**-0.5),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+
+
+def test_logical_table_covers_every_field():
+    assert {f.name for f in dataclasses.fields(LayerWeights)} == set(sharding.LAYER_WEIGHT_AXES)
+    assert set(sharding.WEIGHT_AXES) | {"layers"} == {f.name for f in dataclasses.fields(Weights)}
+    for axes in [*sharding.LAYER_WEIGHT_AXES.values(), *sharding.WEIGHT_AXES.values(), *sharding.CACHE_AXES.values()]:
+        assert all(a in sharding.LOGICAL_AXIS_RULES for a in axes)
+    assert set(sharding.LOGICAL_AXIS_RULES.values()) == {sharding.DATA, sharding.MODEL, None}
+
+
+def test_weight_and_cache_shardings_mirror_the_pytrees():
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    cfg = tiny_config("llama", 4)  # tied embedding, no biases: those fields are None
+    weights = jax.eval_shape(functools.partial(random_weights, cfg))
+    specs = sharding.weight_shardings(weights, mesh)
+    assert specs.lm_head is None and specs.layers.bq is None and specs.layers.q_norm is None
+    assert specs.layers.wq.spec == PartitionSpec(None, None, "model", None)
+    assert specs.layers.wo.spec == PartitionSpec(None, "model", None, None)
+    assert specs.layers.w_down.spec == PartitionSpec(None, "model", None)
+    assert specs.embed.spec == PartitionSpec("model", None)
+    assert specs.final_norm.spec == PartitionSpec(None)
+    assert jax.tree.structure(specs) == jax.tree.structure(weights)
+
+    cache = jax.eval_shape(lambda: init_cache(cfg, 2, 16))
+    cspecs = sharding.cache_shardings(cache, mesh)
+    assert cspecs.k.spec == PartitionSpec(None, "data", "model", None, None)
+    assert cspecs.lengths.spec == PartitionSpec("data")
+
+
+def test_weight_shardings_rejects_a_wrong_rank():
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    weights = jax.eval_shape(functools.partial(random_weights, tiny_config("qwen2", 8)))
+    weights.layers.wq = jax.ShapeDtypeStruct((2, 64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="LayerWeights.wq"):
+        sharding.weight_shardings(weights, mesh)
+
+
+def test_make_mesh_wrong_device_count():
+    n = len(jax.devices())
+    with pytest.raises(UserError, match=f"needs {2 * n} devices, but {n} are available"):
+        sharding.make_mesh(2, n)
+    with pytest.raises(UserError, match="at least 1"):
+        sharding.make_mesh(0, n)
+
+
+def test_check_divisible_heads():
+    cfg = tiny_config("llama", 4)
+    sharding.check_divisible(cfg, 8, AbstractMesh((2, 4), (sharding.DATA, sharding.MODEL)))
+    with pytest.raises(UserError) as e:
+        sharding.check_divisible(cfg, 8, AbstractMesh((1, 8), (sharding.DATA, sharding.MODEL)))
+    message = str(e.value)
+    assert "model axis of size 8 does not divide num_kv_heads=4" in message
+    assert "num_heads=" not in message  # 8 heads split fine; only the offending sizes are named
+    assert "(1, 2, 4)" in message  # the sizes that would work
+    assert "batch" not in message
+
+
+def test_check_divisible_batch_and_heads_together():
+    cfg = tiny_config("qwen2", 8)
+    with pytest.raises(UserError, match=r"batch of 3 rows does not split over the mesh's data axis of size 2"):
+        sharding.check_divisible(cfg, 3, AbstractMesh((2, 4), (sharding.DATA, sharding.MODEL)))
+    odd = dataclasses.replace(cfg, num_heads=6, num_kv_heads=6)
+    with pytest.raises(UserError) as e:
+        sharding.check_divisible(odd, 3, AbstractMesh((2, 4), (sharding.DATA, sharding.MODEL)))
+    assert "num_heads=6, num_kv_heads=6" in str(e.value) and "batch of 3 rows" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- 8 devices
+
+
+@pytest.fixture(scope="module")
+def child_results():
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child"],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_sharded_forward_matches_one_device(child_results, arch):
+    runs = child_results["forward"][arch]
+    expected = [f"{d}x{m}" for d, m in MESHES if m <= tiny_config(arch, 8 if arch == "qwen2" else 4).num_kv_heads]
+    assert sorted(runs) == sorted(expected)
+    for name, r in runs.items():
+        assert r["prefill_logits"] <= TOLERANCE, (name, r)
+        assert r["decode_logits"] <= TOLERANCE, (name, r)
+        assert r["cache"] <= TOLERANCE, (name, r)
+        assert r["lengths_equal"], name
+        assert r["weights_split"], name  # each device really holds only its slice
+
+
+def test_too_many_model_shards_is_refused(child_results):
+    # 4 kv heads cannot split 8 ways: check_divisible says so before anything is compiled.
+    assert "num_kv_heads=4" in child_results["forward_refused"]["llama"]["1x8"]
+
+
+def test_sharded_greedy_generation_matches(child_results):
+    g = child_results["generate"]
+    assert g["sharded"] == g["reference"]
+    assert len(set(map(tuple, g["reference"]))) > 1  # rows differ: the check is not vacuous
+
+
+# ---------------------------------------------------------------------------------------------- child process
+
+
+def _child() -> dict:
+    """Runs in a fresh process with 8 fake CPU devices; returns JSON-able results."""
+    from jaxspec.generate import decode_step, generate_tokens, prefill
+
+    assert len(jax.devices()) == NUM_FAKE_DEVICES, jax.devices()
+    batch, width, cache_size = 8, 16, 32
+    rng = np.random.default_rng(0)
+    prompt_lengths = np.array([16, 5, 9, 1, 12, 16, 3, 7], np.int32)
+    tokens = rng.integers(0, 256, (batch, width)).astype(np.int32)
+    next_tokens = rng.integers(0, 256, (batch,)).astype(np.int32)
+
+    def prefill_then_decode(weights, cache, tokens, prompt_lengths, next_tokens, *, cfg):
+        # tokens [B, P], prompt_lengths [B], next_tokens [B] -> (logits [B, P, V], logits [B, V], cache)
+        _, out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache)
+        logits, cache = decode_step(weights, cfg, next_tokens, cache, jnp.ones(tokens.shape[:1], jnp.bool_))
+        return out.logits, logits, cache
+
+    def diff(a, b):
+        return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+    results = {"forward": {}, "forward_refused": {}}
+    for arch, kv_heads in (("qwen2", 8), ("llama", 4)):
+        cfg = tiny_config(arch, kv_heads)
+        weights = random_weights(cfg)
+        args = (jnp.asarray(tokens), jnp.asarray(prompt_lengths), jnp.asarray(next_tokens))
+        ref = jax.jit(functools.partial(prefill_then_decode, cfg=cfg))(weights, init_cache(cfg, batch, cache_size),
+                                                                         *args)
+        results["forward"][arch], results["forward_refused"][arch] = {}, {}
+        for data, model in MESHES:
+            name = f"{data}x{model}"
+            mesh = sharding.make_mesh(data, model)
+            try:
+                sharding.check_divisible(cfg, batch, mesh)
+            except UserError as e:
+                results["forward_refused"][arch][name] = str(e)
+                continue
+            cache = init_cache(cfg, batch, cache_size)
+            w_sh, c_sh = sharding.weight_shardings(weights, mesh), sharding.cache_shardings(cache, mesh)
+            rows1, rows2 = sharding.batch_sharding(mesh, 1), sharding.batch_sharding(mesh, 2)
+            step = jax.jit(
+                functools.partial(prefill_then_decode, cfg=cfg),
+                in_shardings=(w_sh, c_sh, rows2, rows1, rows1),
+                out_shardings=(
+                    sharding.logical_sharding(mesh, ("batch", "seq", "vocab")),
+                    sharding.logical_sharding(mesh, ("batch", "vocab")),
+                    c_sh,
+                ),
+            )
+            sharded_weights = sharding.shard_weights(weights, mesh)
+            wq = sharded_weights.layers.wq
+            split = wq.addressable_shards[0].data.shape == (2, 64, 8 // model, 8)
+            embed_split = sharded_weights.embed.addressable_shards[0].data.shape == (256 // model, 64)
+            prefill_logits, decode_logits, out_cache = step(sharded_weights, sharding.shard_cache(cache, mesh), *args)
+            assert out_cache.k.sharding.is_equivalent_to(c_sh.k, out_cache.k.ndim)
+            results["forward"][arch][name] = {
+                "prefill_logits": diff(prefill_logits, ref[0]),
+                "decode_logits": diff(decode_logits, ref[1]),
+                "cache": max(diff(out_cache.k, ref[2].k), diff(out_cache.v, ref[2].v)),
+                "lengths_equal": bool(np.array_equal(out_cache.lengths, ref[2].lengths)),
+                "weights_split": bool(split and embed_split),
+            }
+
+    # Greedy generation through the library's own jitted loop, with weights and prompts placed on a 2x4 mesh.
+    cfg = tiny_config("qwen2", 8)
+    weights = random_weights(cfg, seed=1)
+    mesh = sharding.make_mesh(2, 4)
+    rows = 4
+    kwargs = dict(cfg=cfg, max_new_tokens=8, cache_size=cache_size)
+    ref_out, _ = generate_tokens(weights, tokens=jnp.asarray(tokens[:rows]),
+                                 prompt_lengths=jnp.asarray(prompt_lengths[:rows]), rng=jax.random.key(0), **kwargs)
+    sharding.check_divisible(cfg, rows, mesh)
+    sh_out, _ = generate_tokens(
+        sharding.shard_weights(weights, mesh),
+        tokens=jax.device_put(tokens[:rows], sharding.batch_sharding(mesh, 2)),
+        prompt_lengths=jax.device_put(prompt_lengths[:rows], sharding.batch_sharding(mesh, 1)),
+        rng=jax.device_put(jax.random.key(0), sharding.replicated(mesh)),
+        **kwargs,
+    )
+    results["generate"] = {"reference": np.asarray(ref_out).tolist(), "sharded": np.asarray(sh_out).tolist()}
+    return results
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    print(json.dumps(_child()))
