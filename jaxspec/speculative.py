@@ -1,0 +1,168 @@
+"""The one speculative decoding loop: prefill, then rounds of propose -> verify -> accept -> commit -> update.
+
+Everything runs in one jitted `lax.while_loop`; a round never recompiles. Each batch row advances by its own
+accepted length (its own cache length, history and output offset); rows that hit EOS or max_new_tokens stop
+committing while the others go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import commit_positions, init_cache
+from jaxspec.config import ModelConfig
+from jaxspec.drafters.base import Drafter, RoundInputs
+from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
+from jaxspec.model import Weights
+from jaxspec.sampling import GREEDY, SamplingConfig, sample_token, target_probs
+from jaxspec.verification import accept, verify_forward
+
+
+def _write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
+    """buffer[b, offsets[b]:offsets[b] + W] = block[b] for every row. buffer: [B, N]; block: [B, W]."""
+    return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(buffer, block, offsets)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "sampling", "eos_ids"))
+def speculative_generate_tokens(
+    weights: Weights,
+    cfg: ModelConfig,
+    drafter: Drafter,
+    drafter_params: Any,
+    tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    cache_size: int,
+    sampling: SamplingConfig = GREEDY,
+    eos_ids: tuple[int, ...] = (),
+):
+    """Jitted speculative generation for a batch of right-padded prompts.
+
+    Args:
+        tokens: int32[B, P]; prompt_lengths: int32[B]; rng: PRNG key.
+        cache_size: slots per row; must hold P + max_new_tokens + T + 1.
+    Returns:
+        (new_tokens int32[B, max_new_tokens] with PAD after the end, num_new int32[B], rounds int32[B],
+         accepted int32[B, max_new_tokens]: drafted tokens accepted in each of the row's rounds, -1 after them).
+    """
+    b = tokens.shape[0]
+    num_nodes = drafter.num_nodes
+    width = num_nodes + 1  # new tokens one round can yield
+    eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+
+    cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
+    logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache,
+                                         hidden_layers=drafter.target_layers)
+    first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)  # [B]
+    history = jnp.zeros((b, cache_size), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
+    history = _write_rows(history, first[:, None], prompt_lengths)
+    state = drafter.init(drafter_params, cfg, tokens, prompt_lengths, prefill_out, cache_size, sampling)
+
+    out = jnp.full((b, max_new_tokens + width), PAD, jnp.int32).at[:, 0].set(first)
+    count = jnp.ones((b,), jnp.int32)
+    done = jnp.isin(first, eos) | (count >= max_new_tokens)
+    accepted_log = jnp.full((b, max_new_tokens), -1, jnp.int32)
+    rounds = jnp.zeros((b,), jnp.int32)
+
+    def cond(carry):
+        return ~jnp.all(carry["done"])
+
+    def body(carry):
+        cache, history, root, state = carry["cache"], carry["history"], carry["root"], carry["state"]
+        active = ~carry["done"]
+        key = jax.random.fold_in(rng, carry["step"])
+        draft_key, accept_key, bonus_key = jax.random.split(key, 3)
+        inputs = RoundInputs(target_weights=weights, target_cache=cache, history=history, lengths=cache.lengths,
+                             root=root)
+        with jax.named_scope("draft"):
+            tree, state, cache = drafter.propose(drafter_params, state, inputs, cfg, sampling, draft_key)
+        with jax.named_scope("verify"):
+            verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers)
+            probs = target_probs(verification.logits, sampling)  # [B, T+1, V]
+            acc = accept(tree, probs, jax.random.uniform(accept_key, (b, num_nodes)),
+                         jax.random.uniform(bonus_key, (b,)))
+        with jax.named_scope("commit"):
+            num_new = acc.num_accepted + 1  # [B]
+            is_eos = jnp.isin(acc.tokens, eos) & (jnp.arange(width) < num_new[:, None])  # [B, T+1]
+            hit_eos = jnp.any(is_eos, axis=1)
+            num_new = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, num_new)
+            num_new = jnp.where(active, jnp.minimum(num_new, max_new_tokens - carry["count"]), 0)
+            block = jnp.where(jnp.arange(width) < num_new[:, None], acc.tokens, PAD)
+            out = _write_rows(carry["out"], block, carry["count"])
+            history = _write_rows(history, acc.tokens, cache.lengths + 1)
+            committed = jnp.where(active, acc.num_accepted + 1, 0)
+            cache = commit_positions(verification.cache, acc.path, committed)
+            verification = dataclasses.replace(verification, cache=None)
+            state = drafter.update(drafter_params, state, inputs, verification, acc)
+            accepted_log = _write_rows(carry["accepted_log"], jnp.where(active, acc.num_accepted, -1)[:, None],
+                                       jnp.minimum(carry["rounds"], max_new_tokens - 1))
+            count = carry["count"] + num_new
+            done = carry["done"] | hit_eos | (count >= max_new_tokens)
+        return dict(cache=cache, history=history, root=acc.bonus, state=state, out=out, count=count, done=done,
+                    accepted_log=jnp.where(active[:, None], accepted_log, carry["accepted_log"]),
+                    rounds=carry["rounds"] + active.astype(jnp.int32), step=carry["step"] + 1)
+
+    init = dict(cache=cache, history=history, root=first, state=state, out=out, count=count, done=done,
+                accepted_log=accepted_log, rounds=rounds, step=jnp.int32(1))
+    final = jax.lax.while_loop(cond, body, init)
+    new_tokens = final["out"][:, :max_new_tokens]
+    return new_tokens, jnp.sum(new_tokens != PAD, axis=1).astype(jnp.int32), final["rounds"], final["accepted_log"]
+
+
+@dataclasses.dataclass
+class SpeculativeResult(GenerationResult):
+    """GenerationResult plus per-row statistics. accepted[r]: drafted tokens accepted in each round of row r."""
+
+    rounds: list[int] = dataclasses.field(default_factory=list)
+    accepted: list[list[int]] = dataclasses.field(default_factory=list)
+    num_draft_nodes: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification round, bonus included (the prefill's first token excluded)."""
+        per_round = [a + 1 for row in self.accepted for a in row]
+        return float(np.mean(per_round)) if per_round else float("nan")
+
+
+def speculative_generate(
+    weights: Weights,
+    cfg: ModelConfig,
+    drafter: Drafter,
+    drafter_params: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    max_cache_length: int | None = None,
+) -> SpeculativeResult:
+    """Speculative generation for token-id prompts of any lengths: the same tokens as `generate` at T=0, the same
+    distribution at T>0."""
+    batch = pad_prompts(prompt_ids, max_new_tokens + drafter.num_nodes + 1, cfg, max_cache_length)
+    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    start = time.perf_counter()
+    out, counts, rounds, accepted = speculative_generate_tokens(
+        weights, cfg, drafter, drafter_params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+        jax.random.key(seed), max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling,
+        eos_ids=eos,
+    )
+    out, counts, rounds, accepted = (np.asarray(x) for x in (out, counts, rounds, accepted))
+    seconds = time.perf_counter() - start
+    return SpeculativeResult(
+        token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))],
+        seconds=seconds,
+        rounds=rounds.tolist(),
+        accepted=[row[row >= 0].tolist() for row in accepted],
+        num_draft_nodes=drafter.num_nodes,
+    )
