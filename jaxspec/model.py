@@ -252,3 +252,29 @@ def forward(
     new_cache = write_new_entries(cache, new_k, new_v, layer_start=start) if cache is not None else None
     logits = lm_head(weights, cfg, x) if (compute_logits and end == cfg.num_layers) else None
     return ForwardOutput(logits=logits, hidden=hidden, last_hidden=x, cache=new_cache)
+
+
+def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jnp.float32) -> Weights:
+    """Random weights (normal(0, scale) matrices, norms at 1) for tests and freshly initialised drafters."""
+    num_layers, d, f, h = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hk = cfg.num_heads, cfg.num_kv_heads
+    keys = iter(jax.random.split(key, 16))
+
+    def normal(*shape):
+        return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    def ones(*shape):
+        return jnp.ones(shape, dtype)
+
+    layers = LayerWeights(
+        attn_norm=ones(num_layers, d), wq=normal(num_layers, d, hq, h), wk=normal(num_layers, d, hk, h),
+        wv=normal(num_layers, d, hk, h), wo=normal(num_layers, hq, h, d), mlp_norm=ones(num_layers, d),
+        w_gate=normal(num_layers, d, f), w_up=normal(num_layers, d, f), w_down=normal(num_layers, f, d),
+        bq=normal(num_layers, hq, h) if cfg.attention_bias else None,
+        bk=normal(num_layers, hk, h) if cfg.attention_bias else None,
+        bv=normal(num_layers, hk, h) if cfg.attention_bias else None,
+        q_norm=ones(num_layers, h) if cfg.qk_norm else None,
+        k_norm=ones(num_layers, h) if cfg.qk_norm else None,
+    )
+    return Weights(embed=normal(cfg.vocab_size, d), layers=layers, final_norm=ones(d),
+                   lm_head=None if cfg.tie_word_embeddings else normal(d, cfg.vocab_size))
