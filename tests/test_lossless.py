@@ -1,0 +1,237 @@
+"""Exactness of speculative sampling, computed, not sampled.
+
+A tiny target and a tiny draft model over a 4-token vocabulary. For every possible draft tree (its tokens
+enumerated, weighted by their draft probabilities q) the real `accept` is evaluated on a grid of uniforms whose
+cells follow the rule's breakpoints (acceptance thresholds and the bonus CDF), each cell weighted by its volume.
+That gives the exact distribution of the round's emitted block. Extending every block with the target's own
+continuation up to a fixed horizon must give exactly the target's distribution over sequences, p(y_1..y_H).
+A deliberately broken rule (resampling the bonus from p instead of the residual) must fail the same check.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import verification
+from jaxspec.cache import init_cache
+from jaxspec.config import ModelConfig
+from jaxspec.generate import prefill
+from jaxspec.model import forward, init_weights
+from jaxspec.sampling import SamplingConfig, target_probs
+from jaxspec.tree import DraftTree, ancestor_mask, chain_parents, choices_parents, node_depths
+
+V = 4
+CFG = ModelConfig(architecture="llama", vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                  num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+TARGET = init_weights(CFG, jax.random.key(1), scale=0.8)
+DRAFT = init_weights(CFG, jax.random.key(2), scale=0.8)
+CONTEXT = [1, 3, 0, 2]  # the last token is the round's root
+
+# (name, parents, how each node is drafted): "sampled" = drawn from q at its parent (siblings independently);
+# an int r = the rank-r token of q at its parent (deterministic children, q = point mass).
+TREES = [
+    ("chain of 2, sampled", [-1, 0], ["sampled", "sampled"]),
+    ("tree, sampled siblings", [-1, -1, 0], ["sampled", "sampled", "sampled"]),
+    ("tree, top-k children", [-1, -1, 0], [0, 1, 0]),
+]
+SAMPLINGS = [
+    SamplingConfig(temperature=1.0),
+    SamplingConfig(temperature=0.7, top_k=3),
+    SamplingConfig(temperature=1.3, top_p=0.75),
+    SamplingConfig(),  # greedy: a point mass on the greedy continuation
+]
+
+
+def _probs(weights, sequences, sampling):
+    """Processed next-token distributions after every prefix: float64[N, len, V]."""
+    ids = jnp.asarray(sequences, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return np.asarray(target_probs(forward(weights, CFG, ids, positions).logits, sampling), np.float64)
+
+
+def _target_sequence_table(horizon, sampling):
+    """p(y_1..y_m | CONTEXT) for every y in V^horizon and every m: dict m -> {prefix tuple: prob}."""
+    seqs = list(itertools.product(range(V), repeat=horizon))
+    probs = _probs(TARGET, [CONTEXT + list(y) for y in seqs], sampling)
+    table = {0: {(): 1.0}}
+    for m in range(1, horizon + 1):
+        table[m] = {}
+        for y, row in zip(seqs, probs):
+            prefix_prob = table[m - 1][y[: m - 1]] * row[len(CONTEXT) - 2 + m, y[m - 1]]
+            table[m][y[:m]] = prefix_prob
+    return table
+
+
+def _draft_outcomes(parents, kinds, sampling):
+    """Every possible draft tree with its probability: list of (tokens, q rows or None, probability)."""
+    t = len(parents)
+    outcomes = [((), (), 1.0)]
+    for j in range(t):
+        grown = []
+        for tokens, qs, prob in outcomes:
+            path, node = [], parents[j]
+            while node >= 0:
+                path.append(tokens[node])
+                node = parents[node]
+            q = _probs(DRAFT, [CONTEXT + path[::-1]], sampling)[0, -1]
+            if kinds[j] == "sampled":
+                grown += [(tokens + (x,), qs + (q,), prob * q[x]) for x in range(V) if q[x] > 0]
+            else:
+                x = int(np.argsort(-q, kind="stable")[kinds[j]])
+                grown.append((tokens + (x,), qs + (q,), prob))
+        outcomes = grown
+    deterministic = all(k != "sampled" for k in kinds)
+    return [(np.array(tok), None if deterministic else np.stack(qs), prob) for tok, qs, prob in outcomes]
+
+
+def _breakpoints(tokens, parents, q, p):
+    """Where the rule's outcome can change: acceptance thresholds per node, and the bonus CDF values."""
+    t = len(tokens)
+    thresholds = [set() for _ in range(t)]
+    bonus = set()
+
+    def walk(j, current, residual):
+        if j == t:
+            bonus.update(np.cumsum(residual) / residual.sum())
+            return
+        if parents[j] + 1 != current:
+            return walk(j + 1, current, residual)
+        qj = q[j] if q is not None else np.eye(V)[tokens[j]]
+        x = tokens[j]
+        a = min(1.0, residual[x] / qj[x]) if qj[x] > 0 else 0.0
+        thresholds[j].add(a)
+        if a > 0:
+            walk(j + 1, j + 1, p[j + 1])
+        if a < 1:
+            left = np.maximum(residual - qj, 0)
+            walk(j + 1, current, left / left.sum() if left.sum() > 0 else residual)
+
+    walk(0, 0, p[0])
+    return thresholds, bonus
+
+
+def _cells(points):
+    """Midpoints and widths of the intervals of [0, 1) cut at `points`."""
+    edges = np.array(sorted({0.0, 1.0} | {float(x) for x in points if 0 < x < 1}))
+    return (edges[:-1] + edges[1:]) / 2, np.diff(edges)
+
+
+def _block_distribution(parents, kinds, sampling):
+    """Exact distribution of the emitted block (accepted drafts + bonus) of one round: {tuple: prob}."""
+    outcomes = _draft_outcomes(parents, kinds, sampling)
+    t = len(parents)
+    n = len(outcomes)
+    # the target's distributions at the root and every node, by one verification forward per outcome
+    cache = init_cache(CFG, n, 16)
+    ctx = jnp.asarray([CONTEXT[:-1]] * n, jnp.int32)
+    _, _, cache = prefill(TARGET, CFG, ctx, jnp.full((n,), len(CONTEXT) - 1, jnp.int32), cache)
+    tree = DraftTree(tokens=jnp.asarray(np.stack([o[0] for o in outcomes]), jnp.int32),
+                     parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (n, t)),
+                     valid=jnp.ones((n, t), bool))
+    logits = verification.verify_forward(TARGET, CFG, cache, jnp.full((n,), CONTEXT[-1], jnp.int32), tree).logits
+    p_all = np.asarray(target_probs(logits, sampling), np.float64)
+
+    rows, weights, row_outcome = [], [], []
+    for k, ((tokens, q, prob), p) in enumerate(zip(outcomes, p_all)):
+        thresholds, bonus = _breakpoints(tokens, parents, q, p)
+        grids = [_cells(s) for s in thresholds] + [_cells(bonus)]
+        for cell in itertools.product(*[range(len(g[0])) for g in grids]):
+            point = [grids[d][0][i] for d, i in enumerate(cell)]
+            volume = np.prod([grids[d][1][i] for d, i in enumerate(cell)])
+            rows.append((tokens, q, point))
+            weights.append(prob * volume)
+            row_outcome.append(k)
+    m = len(rows)
+    batch = DraftTree(
+        tokens=jnp.asarray(np.stack([r[0] for r in rows]), jnp.int32),
+        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (m, t)),
+        valid=jnp.ones((m, t), bool),
+        draft_probs=None if rows[0][1] is None else jnp.asarray(np.stack([r[1] for r in rows]), jnp.float32),
+    )
+    points = np.array([r[2] for r in rows], np.float32)
+    acc = verification.accept(batch, jnp.asarray(p_all[row_outcome], jnp.float32), jnp.asarray(points[:, :t]),
+                              jnp.asarray(points[:, t]))
+    blocks = {}
+    for tokens, count, w in zip(np.asarray(acc.tokens), np.asarray(acc.num_accepted), weights):
+        key = tuple(int(x) for x in tokens[: count + 1])
+        blocks[key] = blocks.get(key, 0.0) + w
+    return blocks
+
+
+def _speculative_sequence_distribution(blocks, table, horizon):
+    """Each block extended by the target's continuation: {y: prob} over V^horizon."""
+    dist = {}
+    for y, p_y in table[horizon].items():
+        total = 0.0
+        for block, w in blocks.items():
+            m = len(block)
+            if y[:m] == block:
+                prefix = table[m][block]
+                if prefix == 0:
+                    if w > 1e-9:
+                        return None  # the round emitted a block the target never would
+                    continue
+                total += w * p_y / prefix
+        dist[y] = total
+    return dist
+
+
+def _check(parents, kinds, sampling):
+    depth = int(np.asarray(node_depths(jnp.asarray([parents], jnp.int32))).max())
+    horizon = depth + 1
+    table = _target_sequence_table(horizon, sampling)
+    blocks = _block_distribution(parents, kinds, sampling)
+    assert abs(sum(blocks.values()) - 1) < 1e-6
+    spec = _speculative_sequence_distribution(blocks, table, horizon)
+    if spec is None:
+        return np.inf
+    return max(abs(spec[y] - table[horizon][y]) for y in table[horizon])
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+@pytest.mark.parametrize("name,parents,kinds", TREES, ids=[t[0] for t in TREES])
+def test_speculative_round_reproduces_the_target_distribution_exactly(name, parents, kinds, sampling):
+    assert _check(parents, kinds, sampling) < 2e-6
+
+
+def test_a_broken_rule_is_caught(monkeypatch):
+    """Resampling from p after a rejection (instead of from norm(max(0, p - q))) biases the output."""
+    name, parents, kinds = TREES[0]
+    monkeypatch.setattr(verification, "residual_after_rejection", lambda residual, q: residual)
+    assert _check(parents, kinds, SamplingConfig(temperature=1.0)) > 1e-4  # the correct rule is within 2e-6
+
+
+def test_ignoring_deterministic_rejections_is_caught(monkeypatch):
+    """For top-k children, keeping a rejected token in the residual biases the output too."""
+    name, parents, kinds = TREES[2]
+    monkeypatch.setattr(verification, "residual_after_rejection", lambda residual, q: residual)
+    assert _check(parents, kinds, SamplingConfig(temperature=1.0)) > 1e-4  # the correct rule is within 2e-6
+
+
+# ---------------------------------------------------------------------------------------------- masks
+
+
+def test_ancestor_mask_of_a_small_tree_is_literal():
+    """root -> a, b; a -> c; c -> d (verification indices: root 0, a 1, b 2, c 3, d 4)."""
+    mask = np.asarray(ancestor_mask(jnp.asarray([[-1, -1, 0, 2]], jnp.int32)))[0].astype(int)
+    expected = [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 1, 1],
+    ]
+    np.testing.assert_array_equal(mask, expected)
+    np.testing.assert_array_equal(np.asarray(node_depths(jnp.asarray([[-1, -1, 0, 2]])))[0], [0, 1, 1, 2, 3])
+
+
+def test_chain_and_choices_topologies():
+    np.testing.assert_array_equal(chain_parents(4), [-1, 0, 1, 2])
+    mask = np.asarray(ancestor_mask(jnp.asarray([chain_parents(3)])))[0].astype(int)
+    np.testing.assert_array_equal(mask, np.tril(np.ones((4, 4), int)))
+    parents, ranks = choices_parents([(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    np.testing.assert_array_equal(parents, [-1, -1, 0, 0, 1])
+    np.testing.assert_array_equal(ranks, [0, 1, 0, 1, 0])
