@@ -20,7 +20,7 @@ import numpy as np
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, causal_mask, forward
+from jaxspec.model import Weights, causal_mask, forward, lm_head
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 
 PAD = -1  # emitted after a row's EOS
@@ -42,12 +42,14 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
     Args:
         tokens: int32[B, P] right-padded prompts; prompt_lengths: int32[B] (>= 1).
     Returns:
-        (last_logits [B, V] at each row's last prompt token, ForwardOutput, cache with lengths = prompt_lengths).
+        (last_logits [B, V] at each row's last prompt token, ForwardOutput (logits None: only the last
+        positions go through the LM head), cache with lengths = prompt_lengths).
     """
     b, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = forward(weights, cfg, tokens, positions, cache, causal_mask(b, p), **forward_kwargs)
-    last = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    out = forward(weights, cfg, tokens, positions, cache, causal_mask(b, p), compute_logits=False, **forward_kwargs)
+    last_hidden = jnp.take_along_axis(out.last_hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
+    last = lm_head(weights, cfg, last_hidden)[:, 0]  # [B, V]: the LM head only where it is needed
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + prompt_lengths.astype(jnp.int32))
     return last, out, cache
 

@@ -123,7 +123,8 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
     hkv = new_k.shape[2]
     q = q.reshape(b, t, hkv, hq // hkv, h) * (1.0 / math.sqrt(h))  # [b, t, k, g, h]
     scores_new = jnp.einsum("btkgh,bukh->bkgtu", q, new_k, preferred_element_type=jnp.float32)
-    scores_new = jnp.where(mask[:, None, None, :, :], scores_new, NEG_INF)
+    if mask is not None:  # None: every new token sees every other (one-token decode)
+        scores_new = jnp.where(mask[:, None, None, :, :], scores_new, NEG_INF)
     if cache_k is None:
         probs = jax.nn.softmax(scores_new, axis=-1)
         out = jnp.einsum("bkgtu,bukh->btkgh", probs.astype(new_v.dtype), new_v)
@@ -226,7 +227,7 @@ def forward(
             raise ValueError("hidden_in is required when the layer range starts after layer 0.")
         x = hidden_in
     b, t = positions.shape
-    if mask is None:
+    if mask is None and t > 1:
         mask = causal_mask(b, t)
     inv_freq = rope_inverse_frequencies(cfg)
     layers = jax.tree.map(lambda w: w[start:end], weights.layers)
