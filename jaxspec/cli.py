@@ -45,12 +45,43 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
 
 
+def add_method_args(p: argparse.ArgumentParser) -> None:
+    """Options that choose and configure the decoding method (shared by generate and bench)."""
+    from jaxspec.methods import METHODS
+
+    p.add_argument("--draft-model", help="draft-model: a known name, .gguf file or HF folder sharing the tokenizer")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="drafted tokens per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3)")
+    p.add_argument("--tree-width", type=int, default=1, help="children per draft node (tree drafters)")
+    p.add_argument("--ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match")
+    p.add_argument("--exit-layer", type=int, default=None,
+                   help="early-exit: number of target layers that draft (default: a quarter of them)")
+    return METHODS
+
+
+def method_options(args):
+    from jaxspec.methods import MethodOptions
+
+    return MethodOptions(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
+                         tree_width=args.tree_width, ngram=args.ngram, exit_layer=args.exit_layer)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from jaxspec.methods import METHODS
+
     parser = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding for LLMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text with a target model")
     _add_model_args(gen)
     _add_generation_args(gen)
+    gen.add_argument("--method", choices=METHODS, default="autoregressive", help="decoding method")
+    add_method_args(gen)
+    try:
+        from jaxspec.bench import add_bench_parser
+    except ImportError:  # the benchmark harness is optional while it is being built
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        add_bench_parser(sub)
     return parser
 
 
@@ -82,9 +113,11 @@ def _dtype(name: str):
 
 
 def cmd_generate(args) -> None:
-    from jaxspec.generate import generate, stream_generate
+    from jaxspec.generate import stream_generate
     from jaxspec.loading import load_model
+    from jaxspec.methods import build_method
     from jaxspec.sampling import SamplingConfig
+    from jaxspec.metrics import tau
     from jaxspec.tokenizer import encode_prompt
 
     prompts = list(args.prompt)
@@ -105,24 +138,38 @@ def cmd_generate(args) -> None:
     options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                    max_cache_length=args.max_cache_length)
     eos = set(model.config.eos_token_ids)
+    method = build_method(args.method, model, method_options(args))
 
-    if args.json:
-        for start in range(0, len(prompts), args.batch_size):
-            rows = prompt_ids[start: start + args.batch_size]
-            result = generate(model.weights, model.config, rows, **options)
+    if args.json or method.drafter is not None:
+        for start in range(0, len(prompts), args.batch_size if args.json else 1):
+            rows = prompt_ids[start: start + (args.batch_size if args.json else 1)]
+            result = method.generate(rows, **options)
             for i, ids in enumerate(result.token_ids):
                 text_ids = [t for t in ids if t not in eos]
+                text = model.tokenizer.decode(text_ids, skip_special_tokens=True)
+                stats = {
+                    "tokens": len(ids),
+                    "seconds": round(result.seconds, 4),
+                    "tokens_per_second": round(len(ids) / result.seconds, 2),
+                    "batch_size": len(rows),
+                    "method": method.name,
+                }
+                if method.drafter is not None:
+                    row_accepted = result.accepted[i]
+                    stats.update(rounds=result.rounds[i], tau=round(tau([row_accepted]), 3) if row_accepted else None,
+                                 accepted_per_round=row_accepted)
+                if not args.json:
+                    print(text, flush=True)
+                    extra = f", tau {stats['tau']}" if method.drafter is not None else ""
+                    print(f"[{len(ids)} tokens in {result.seconds:.2f} s, {stats['tokens_per_second']} tokens/s{extra}]",
+                          file=sys.stderr)
+                    continue
                 record = {
                     "prompt": prompts[start + i],
                     "prompt_ids": rows[i],
                     "token_ids": ids,
-                    "text": model.tokenizer.decode(text_ids, skip_special_tokens=True),
-                    "stats": {
-                        "tokens": len(ids),
-                        "seconds": round(result.seconds, 4),
-                        "tokens_per_second": round(len(ids) / result.seconds, 2),
-                        "batch_size": len(rows),
-                    },
+                    "text": text,
+                    "stats": stats,
                 }
                 print(json.dumps(record, ensure_ascii=False), flush=True)
         return
@@ -151,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "bench":
+            from jaxspec.bench import cmd_bench
+
+            cmd_bench(args)
     except UserError as e:
         print(f"jaxspec: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import metrics
 from jaxspec.cache import commit_positions, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
@@ -130,8 +131,10 @@ class SpeculativeResult(GenerationResult):
     @property
     def tau(self) -> float:
         """Mean tokens per verification round, bonus included (the prefill's first token excluded)."""
-        per_round = [a + 1 for row in self.accepted for a in row]
-        return float(np.mean(per_round)) if per_round else float("nan")
+        return metrics.tau(self.accepted)
+
+    def acceptance_by_position(self) -> list[float]:
+        return metrics.acceptance_by_position(self.accepted, self.num_draft_nodes)
 
 
 def speculative_generate(

@@ -1,0 +1,88 @@
+"""Method names -> drafters, so the CLI, the benchmark and notebooks build methods one way.
+
+`autoregressive` is the baseline (no drafter). Every other method is a drafter on the one decoding loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxspec.errors import UserError
+from jaxspec.generate import GenerationResult, generate
+from jaxspec.loading import LoadedModel, load_model
+from jaxspec.sampling import GREEDY, SamplingConfig
+from jaxspec.speculative import speculative_generate
+
+METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MethodOptions:
+    """Method settings; None means the method's default for the target."""
+
+    draft_model: str | None = None  # draft-model: a known name, .gguf or HF folder
+    num_draft_tokens: int | None = None  # K, drafted tokens per round
+    tree_width: int = 1
+    ngram: int = 3  # prompt-lookup: longest n-gram matched
+    exit_layer: int | None = None  # early-exit: layers used to draft
+
+
+DEFAULT_DRAFT_TOKENS = {"draft-model": 4, "prompt-lookup": 4, "early-exit": 3}
+
+
+@dataclasses.dataclass
+class Method:
+    """A ready method: `drafter` is None for autoregressive decoding."""
+
+    name: str
+    drafter: Any
+    params: Any
+    target: LoadedModel
+
+    def generate(self, prompt_ids, *, max_new_tokens: int = 128, sampling: SamplingConfig = GREEDY, seed: int = 0,
+                 eos_ids=None, max_cache_length: int | None = None) -> GenerationResult:
+        kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
+                      max_cache_length=max_cache_length)
+        t = self.target
+        if self.drafter is None:
+            return generate(t.weights, t.config, prompt_ids, **kwargs)
+        return speculative_generate(t.weights, t.config, self.drafter, self.params, prompt_ids, **kwargs)
+
+
+def build_method(name: str, target: LoadedModel, options: MethodOptions = MethodOptions()) -> Method:
+    """Builds a method for `target`, refusing settings that cannot work with a clear error."""
+    from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
+
+    if name not in METHODS:
+        raise UserError(f"Unknown method '{name}'; choose one of {', '.join(METHODS)}.")
+    if name == "autoregressive":
+        return Method(name=name, drafter=None, params=None, target=target)
+    k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
+    if k < 1:
+        raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
+    if options.tree_width != 1:
+        raise UserError(
+            f"--tree-width {options.tree_width}: {name} drafts a chain here; draft trees come with the tree drafters "
+            "(EAGLE-2, DDTree, JetSpec). Use --tree-width 1."
+        )
+    if name == "prompt-lookup":
+        if options.ngram < 1:
+            raise UserError(f"--ngram must be at least 1, got {options.ngram}.")
+        return Method(name=name, drafter=PromptLookupDrafter(num_nodes=k, max_ngram=options.ngram), params=None,
+                      target=target)
+    if name == "early-exit":
+        layer = options.exit_layer if options.exit_layer is not None else max(1, target.config.num_layers // 4)
+        drafter = EarlyExitDrafter(num_nodes=k, exit_layer=layer)
+        drafter.check_compatible(None, target.config)
+        return Method(name=name, drafter=drafter, params=None, target=target)
+    # draft-model
+    if options.draft_model is None:
+        raise UserError(
+            "The draft-model method needs --draft-model (a known name, .gguf file or Hugging Face folder of a smaller "
+            "model with the target's tokenizer)."
+        )
+    draft = load_model(options.draft_model, dtype=target.weights.embed.dtype)
+    drafter = DraftModelDrafter(num_nodes=k, draft_cfg=draft.config)
+    drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
+    return Method(name=name, drafter=drafter, params=draft.weights, target=target)
