@@ -1,0 +1,208 @@
+"""The speculative decoding loop: greedy output identical to autoregressive for every drafter, sampled drafts from
+the target itself always accepted, cache commits equal plain decoding, no recompilation, clear refusals."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.cache import commit_positions, init_cache
+from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter, RoundInputs
+from jaxspec.drafters.draft_model import check_same_vocabulary
+from jaxspec.errors import UserError
+from jaxspec.generate import generate, prefill
+from jaxspec.methods import MethodOptions, build_method
+from jaxspec.sampling import GREEDY, SamplingConfig, target_probs
+from jaxspec.speculative import speculative_generate, speculative_generate_tokens
+from jaxspec.tokenizer import encode_prompt
+from jaxspec.verification import accept, verify_forward
+
+from conftest import fixture_path
+
+
+def _tiny_prompts(ref):
+    ids = ref["input_ids"]
+    return [ids[0, :5].tolist(), ids[1, :17].tolist(), ids[0, 3:40].tolist()]
+
+
+def _tiny_drafters(model):
+    from jaxspec import load_model
+
+    other = load_model(fixture_path("tiny-qwen2"))  # same vocabulary size, different random weights
+    return [
+        (PromptLookupDrafter(num_nodes=4, max_ngram=2), None),
+        (EarlyExitDrafter(num_nodes=3, exit_layer=1), None),
+        (DraftModelDrafter(num_nodes=4, draft_cfg=other.config), other.weights),
+        (DraftModelDrafter(num_nodes=2, draft_cfg=model.config), model.weights),
+    ]
+
+
+def test_greedy_equals_autoregressive_for_every_drafter_on_a_tiny_model(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _tiny_prompts(ref)
+    for batch in (prompts[:1], prompts):  # batch 1, and 3 rows of different lengths
+        expected = generate(model.weights, model.config, batch, max_new_tokens=24, eos_ids=()).token_ids
+        for drafter, params in _tiny_drafters(model):
+            result = speculative_generate(model.weights, model.config, drafter, params, batch, max_new_tokens=24,
+                                          eos_ids=())
+            assert result.token_ids == expected, drafter.name
+            assert all(1 <= r <= 24 for r in result.rounds)
+
+
+def test_eos_and_max_new_tokens_per_row(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _tiny_prompts(ref)
+    free = generate(model.weights, model.config, prompts, max_new_tokens=20, eos_ids=()).token_ids
+    eos = free[1][6]
+    expected = generate(model.weights, model.config, prompts, max_new_tokens=20, eos_ids=(eos,)).token_ids
+    drafter = DraftModelDrafter(num_nodes=4, draft_cfg=model.config)
+    result = speculative_generate(model.weights, model.config, drafter, model.weights, prompts, max_new_tokens=20,
+                                  eos_ids=(eos,))
+    assert result.token_ids == expected
+    assert len(result.token_ids[1]) <= 7
+
+
+def test_target_drafting_for_itself_is_always_accepted(tiny_llama3):
+    """Draft = target: greedy drafts always match; sampled drafts have q = p, so min(1, p/q) = 1 as well."""
+    _, model, ref = tiny_llama3
+    prompts = _tiny_prompts(ref)
+    drafter = DraftModelDrafter(num_nodes=3, draft_cfg=model.config)
+    for sampling in (GREEDY, SamplingConfig(temperature=0.9, top_k=50)):
+        result = speculative_generate(model.weights, model.config, drafter, model.weights, prompts,
+                                      max_new_tokens=17, sampling=sampling, eos_ids=())
+        assert all(a == 3 for row in result.accepted for a in row), result.accepted
+        assert result.tau == 4.0 and result.rounds == [4, 4, 4]  # 1 + 4 rounds x 4 = 17 tokens
+
+
+def test_sampling_is_reproducible(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _tiny_prompts(ref)
+    drafter = PromptLookupDrafter(num_nodes=3)
+    run = [speculative_generate(model.weights, model.config, drafter, None, prompts, max_new_tokens=12,
+                                sampling=SamplingConfig(temperature=1.0), seed=s, eos_ids=()).token_ids
+           for s in (5, 5, 6)]
+    assert run[0] == run[1] and run[0] != run[2]
+
+
+def test_commit_leaves_the_cache_of_plain_decoding(tiny_llama3):
+    """Three rounds by hand: after each commit, the committed slots equal those of prefilling the same tokens."""
+    _, model, ref = tiny_llama3
+    cfg, w = model.config, model.weights
+    prompts = jnp.asarray(ref["input_ids"][:, :10])  # [2, 10]
+    lengths = jnp.array([10, 7], jnp.int32)
+    drafter = DraftModelDrafter(num_nodes=3, draft_cfg=cfg)
+    history = jnp.zeros((2, 64), jnp.int32).at[:, :10].set(prompts)
+    cache = init_cache(cfg, 2, 64)
+    logits, out, cache = prefill(w, cfg, prompts, lengths, cache)
+    root = jnp.argmax(logits, -1).astype(jnp.int32)
+    history = history.at[jnp.arange(2), lengths].set(root)
+    state = drafter.init(w, cfg, prompts, lengths, out, 64, GREEDY)
+    # a drafter that disagrees sometimes: the draft model with perturbed weights
+    noisy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(0), x.shape), w)
+    for round_index in range(3):
+        inputs = RoundInputs(target_weights=w, target_cache=cache, history=history, lengths=cache.lengths, root=root)
+        tree, state, cache = drafter.propose(noisy, state, inputs, cfg, GREEDY, jax.random.key(round_index))
+        verification = verify_forward(w, cfg, cache, root, tree)
+        acc = accept(tree, target_probs(verification.logits, GREEDY), jnp.zeros((2, 3)), jnp.zeros(2))
+        start = cache.lengths
+        cache = commit_positions(verification.cache, acc.path, acc.num_accepted + 1)
+        for row in range(2):
+            new = acc.tokens[row, : int(acc.num_accepted[row]) + 1]
+            history = history.at[row, int(start[row]) + 1: int(start[row]) + 1 + new.shape[0]].set(new)
+        root = acc.bonus
+        # plain decoding of the same committed tokens
+        for row in range(2):
+            n = int(cache.lengths[row])
+            plain = init_cache(cfg, 1, 64)
+            _, _, plain = prefill(w, cfg, history[row: row + 1, :n], jnp.array([n]), plain)
+            np.testing.assert_allclose(np.asarray(cache.k[:, row, :, :n]), np.asarray(plain.k[:, 0, :, :n]),
+                                       atol=1e-5)
+            np.testing.assert_allclose(np.asarray(cache.v[:, row, :, :n]), np.asarray(plain.v[:, 0, :, :n]),
+                                       atol=1e-5)
+    assert int(cache.lengths[0]) > 10 and int(cache.lengths[1]) > 7
+
+
+def test_one_compilation_serves_a_whole_generation_and_new_prompts(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _tiny_prompts(ref)
+    drafter = PromptLookupDrafter(num_nodes=5)
+    speculative_generate(model.weights, model.config, drafter, None, prompts[:1], max_new_tokens=30, eos_ids=())
+    before = speculative_generate_tokens._cache_size()
+    speculative_generate(model.weights, model.config, drafter, None, [prompts[1][:9]], max_new_tokens=30, eos_ids=())
+    speculative_generate(model.weights, model.config, drafter, None, [prompts[2][:30]], max_new_tokens=30, eos_ids=())
+    assert speculative_generate_tokens._cache_size() == before
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2, smollm2_reference):
+    prompts = json.loads(str(smollm2_reference["prompts"]))
+    extra = ["Repeat this list twice: apple, banana, cherry, date.", "def add(a, b):\n    return a + b\n\nExplain it."]
+    return [encode_prompt(smollm2.tokenizer, p) for p in prompts + extra]
+
+
+@pytest.mark.parametrize("method,options", [
+    ("prompt-lookup", MethodOptions(num_draft_tokens=4)),
+    ("early-exit", MethodOptions(num_draft_tokens=2, exit_layer=6)),
+])
+def test_greedy_equals_autoregressive_on_smollm2(smollm2, chat_prompts, method, options):
+    expected = generate(smollm2.weights, smollm2.config, chat_prompts, max_new_tokens=40).token_ids
+    m = build_method(method, smollm2, options)
+    assert m.generate(chat_prompts[:1], max_new_tokens=40).token_ids == expected[:1]
+    result = m.generate(chat_prompts, max_new_tokens=40)
+    assert result.token_ids == expected
+    assert result.tau >= 1.0
+
+
+def test_smollm2_drafting_for_itself_accepts_everything(smollm2, chat_prompts):
+    drafter = DraftModelDrafter(num_nodes=3, draft_cfg=smollm2.config)
+    expected = generate(smollm2.weights, smollm2.config, chat_prompts[:2], max_new_tokens=25).token_ids
+    result = speculative_generate(smollm2.weights, smollm2.config, drafter, smollm2.weights, chat_prompts[:2],
+                                  max_new_tokens=25)
+    assert result.token_ids == expected
+    assert all(a == 3 for row in result.accepted for a in row[:-1])  # the last round may stop at EOS
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+class _FakeTokenizer:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def __len__(self):
+        return len(self.vocab)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_llama3):
+    _, model, _ = tiny_llama3
+    a = _FakeTokenizer({f"t{i}": i for i in range(200)})
+    b = _FakeTokenizer({**{f"t{i}": i for i in range(200)}, "t7": 8, "t8": 7})
+    check_same_vocabulary(model.config, model.config, a, a)
+    with pytest.raises(UserError, match="tokenizer differs"):
+        check_same_vocabulary(model.config, model.config, a, b)
+    small = dataclasses.replace(model.config, vocab_size=100)
+    with pytest.raises(UserError, match="vocabulary is only 100"):
+        check_same_vocabulary(model.config, small, a, a)
+
+
+def test_bad_method_options_are_refused(tiny_llama3):
+    _, model, _ = tiny_llama3
+    with pytest.raises(UserError, match="exit-layer"):
+        build_method("early-exit", model, MethodOptions(exit_layer=99))
+    with pytest.raises(UserError, match="--draft-model"):
+        build_method("draft-model", model)
+    with pytest.raises(UserError, match="Unknown method"):
+        build_method("medusa-9000", model)
+    with pytest.raises(UserError, match="num-draft-tokens"):
+        build_method("prompt-lookup", model, MethodOptions(num_draft_tokens=0))
+
+
