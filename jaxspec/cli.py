@@ -51,8 +51,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--draft-model", help="draft-model: a known name, .gguf file or HF folder sharing the tokenizer")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="drafted tokens per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3)")
-    p.add_argument("--tree-width", type=int, default=1, help="children per draft node (tree drafters)")
+                   help="draft depth per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3)")
+    p.add_argument("--tree-width", type=int, default=1,
+                   help="draft-model, early-exit: top-W siblings at every depth (W x depth nodes, lossless)")
     p.add_argument("--ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: number of target layers that draft (default: a quarter of them)")

@@ -22,8 +22,8 @@ class MethodOptions:
     """Method settings; None means the method's default for the target."""
 
     draft_model: str | None = None  # draft-model: a known name, .gguf or HF folder
-    num_draft_tokens: int | None = None  # K, drafted tokens per round
-    tree_width: int = 1
+    num_draft_tokens: int | None = None  # K, the draft depth per round
+    tree_width: int = 1  # W top-k siblings per depth (draft-model, early-exit): T = K * W nodes
     ngram: int = 3  # prompt-lookup: longest n-gram matched
     exit_layer: int | None = None  # early-exit: layers used to draft
 
@@ -61,19 +61,20 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
     k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
     if k < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
-    if options.tree_width != 1:
+    width = options.tree_width
+    if width < 1 or (name == "prompt-lookup" and width != 1):
         raise UserError(
-            f"--tree-width {options.tree_width}: {name} drafts a chain here; draft trees come with the tree drafters "
-            "(EAGLE-2, DDTree, JetSpec). Use --tree-width 1."
+            f"--tree-width {width} is not possible for {name}: use 1"
+            + (" (prompt lookup copies one continuation)." if name == "prompt-lookup" else " or more.")
         )
     if name == "prompt-lookup":
         if options.ngram < 1:
             raise UserError(f"--ngram must be at least 1, got {options.ngram}.")
-        return Method(name=name, drafter=PromptLookupDrafter(num_nodes=k, max_ngram=options.ngram), params=None,
+        return Method(name=name, drafter=PromptLookupDrafter(depth=k, max_ngram=options.ngram), params=None,
                       target=target)
     if name == "early-exit":
         layer = options.exit_layer if options.exit_layer is not None else max(1, target.config.num_layers // 4)
-        drafter = EarlyExitDrafter(num_nodes=k, exit_layer=layer)
+        drafter = EarlyExitDrafter(depth=k, tree_width=width, exit_layer=layer)
         drafter.check_compatible(None, target.config)
         return Method(name=name, drafter=drafter, params=None, target=target)
     # draft-model
@@ -83,6 +84,6 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
             "model with the target's tokenizer)."
         )
     draft = load_model(options.draft_model, dtype=target.weights.embed.dtype)
-    drafter = DraftModelDrafter(num_nodes=k, draft_cfg=draft.config)
+    drafter = DraftModelDrafter(depth=k, tree_width=width, draft_cfg=draft.config)
     drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
     return Method(name=name, drafter=drafter, params=draft.weights, target=target)

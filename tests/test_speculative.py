@@ -33,10 +33,12 @@ def _tiny_drafters(model):
 
     other = load_model(fixture_path("tiny-qwen2"))  # same vocabulary size, different random weights
     return [
-        (PromptLookupDrafter(num_nodes=4, max_ngram=2), None),
-        (EarlyExitDrafter(num_nodes=3, exit_layer=1), None),
-        (DraftModelDrafter(num_nodes=4, draft_cfg=other.config), other.weights),
-        (DraftModelDrafter(num_nodes=2, draft_cfg=model.config), model.weights),
+        (PromptLookupDrafter(depth=4, max_ngram=2), None),
+        (EarlyExitDrafter(depth=3, exit_layer=1), None),
+        (DraftModelDrafter(depth=4, draft_cfg=other.config), other.weights),
+        (DraftModelDrafter(depth=2, draft_cfg=model.config), model.weights),
+        (DraftModelDrafter(depth=3, tree_width=3, draft_cfg=other.config), other.weights),
+        (EarlyExitDrafter(depth=2, tree_width=2, exit_layer=2), None),
     ]
 
 
@@ -58,7 +60,7 @@ def test_eos_and_max_new_tokens_per_row(tiny_llama3):
     free = generate(model.weights, model.config, prompts, max_new_tokens=20, eos_ids=()).token_ids
     eos = free[1][6]
     expected = generate(model.weights, model.config, prompts, max_new_tokens=20, eos_ids=(eos,)).token_ids
-    drafter = DraftModelDrafter(num_nodes=4, draft_cfg=model.config)
+    drafter = DraftModelDrafter(depth=4, draft_cfg=model.config)
     result = speculative_generate(model.weights, model.config, drafter, model.weights, prompts, max_new_tokens=20,
                                   eos_ids=(eos,))
     assert result.token_ids == expected
@@ -69,7 +71,7 @@ def test_target_drafting_for_itself_is_always_accepted(tiny_llama3):
     """Draft = target: greedy drafts always match; sampled drafts have q = p, so min(1, p/q) = 1 as well."""
     _, model, ref = tiny_llama3
     prompts = _tiny_prompts(ref)
-    drafter = DraftModelDrafter(num_nodes=3, draft_cfg=model.config)
+    drafter = DraftModelDrafter(depth=3, draft_cfg=model.config)
     for sampling in (GREEDY, SamplingConfig(temperature=0.9, top_k=50)):
         result = speculative_generate(model.weights, model.config, drafter, model.weights, prompts,
                                       max_new_tokens=17, sampling=sampling, eos_ids=())
@@ -80,7 +82,7 @@ def test_target_drafting_for_itself_is_always_accepted(tiny_llama3):
 def test_sampling_is_reproducible(tiny_llama3):
     _, model, ref = tiny_llama3
     prompts = _tiny_prompts(ref)
-    drafter = PromptLookupDrafter(num_nodes=3)
+    drafter = PromptLookupDrafter(depth=3)
     run = [speculative_generate(model.weights, model.config, drafter, None, prompts, max_new_tokens=12,
                                 sampling=SamplingConfig(temperature=1.0), seed=s, eos_ids=()).token_ids
            for s in (5, 5, 6)]
@@ -93,7 +95,7 @@ def test_commit_leaves_the_cache_of_plain_decoding(tiny_llama3):
     cfg, w = model.config, model.weights
     prompts = jnp.asarray(ref["input_ids"][:, :10])  # [2, 10]
     lengths = jnp.array([10, 7], jnp.int32)
-    drafter = DraftModelDrafter(num_nodes=3, draft_cfg=cfg)
+    drafter = DraftModelDrafter(depth=3, draft_cfg=cfg)
     history = jnp.zeros((2, 64), jnp.int32).at[:, :10].set(prompts)
     cache = init_cache(cfg, 2, 64)
     logits, out, cache = prefill(w, cfg, prompts, lengths, cache)
@@ -128,7 +130,7 @@ def test_commit_leaves_the_cache_of_plain_decoding(tiny_llama3):
 def test_one_compilation_serves_a_whole_generation_and_new_prompts(tiny_llama3):
     _, model, ref = tiny_llama3
     prompts = _tiny_prompts(ref)
-    drafter = PromptLookupDrafter(num_nodes=5)
+    drafter = PromptLookupDrafter(depth=5)
     speculative_generate(model.weights, model.config, drafter, None, prompts[:1], max_new_tokens=30, eos_ids=())
     before = speculative_generate_tokens._cache_size()
     speculative_generate(model.weights, model.config, drafter, None, [prompts[1][:9]], max_new_tokens=30, eos_ids=())
@@ -160,7 +162,7 @@ def test_greedy_equals_autoregressive_on_smollm2(smollm2, chat_prompts, method, 
 
 
 def test_smollm2_drafting_for_itself_accepts_everything(smollm2, chat_prompts):
-    drafter = DraftModelDrafter(num_nodes=3, draft_cfg=smollm2.config)
+    drafter = DraftModelDrafter(depth=3, draft_cfg=smollm2.config)
     expected = generate(smollm2.weights, smollm2.config, chat_prompts[:2], max_new_tokens=25).token_ids
     result = speculative_generate(smollm2.weights, smollm2.config, drafter, smollm2.weights, chat_prompts[:2],
                                   max_new_tokens=25)
@@ -202,6 +204,8 @@ def test_bad_method_options_are_refused(tiny_llama3):
         build_method("draft-model", model)
     with pytest.raises(UserError, match="Unknown method"):
         build_method("medusa-9000", model)
+    with pytest.raises(UserError, match="tree-width"):
+        build_method("prompt-lookup", model, MethodOptions(tree_width=2))
     with pytest.raises(UserError, match="num-draft-tokens"):
         build_method("prompt-lookup", model, MethodOptions(num_draft_tokens=0))
 

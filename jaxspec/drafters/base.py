@@ -19,12 +19,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.model import ForwardOutput, Weights
 from jaxspec.sampling import SamplingConfig, process_logits
-from jaxspec.tree import DraftTree, chain_parents
+from jaxspec.tree import DraftTree
 from jaxspec.verification import Acceptance
 
 
@@ -43,12 +44,16 @@ class RoundInputs:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Drafter:
-    """Base class. Subclasses set `num_nodes` (T, static) and override `propose` (and `init` / `update`)."""
+    """Base class. Subclasses define `num_nodes` (T, static) and override `propose` (and `init` / `update`)."""
 
-    num_nodes: int
     # hidden layers of the target the drafter wants from the prefill and verification forwards
     target_layers: tuple[int, ...] = ()
     name: str = "drafter"
+
+    @property
+    def num_nodes(self) -> int:
+        """T, the drafted nodes per round (static)."""
+        raise NotImplementedError
 
     def init(self, params: Any, target_cfg: ModelConfig, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
              prefill_out: ForwardOutput, cache_size: int, sampling: SamplingConfig) -> Any:
@@ -68,37 +73,58 @@ class Drafter:
         """Raises UserError when this drafter cannot serve this target (another vocabulary, another model)."""
 
 
-def draft_chain(step, first_logits: jax.Array, first_position: jax.Array, num_tokens: int,
-                sampling: SamplingConfig, rng: jax.Array, carry: Any) -> tuple[DraftTree, Any]:
-    """Drafts a chain of `num_tokens` tokens autoregressively from a causal LM.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChainDrafter(Drafter):
+    """A drafter that runs a causal LM `depth` times per round: a chain, or with tree_width W > 1 the top-W
+    siblings at every depth (see `draft_chain`)."""
+
+    depth: int
+    tree_width: int = 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth * self.tree_width
+
+
+def draft_chain(step, first_logits: jax.Array, first_position: jax.Array, depth: int, sampling: SamplingConfig,
+                rng: jax.Array, carry: Any, width: int = 1) -> tuple[DraftTree, Any]:
+    """Drafts a chain of `depth` tokens autoregressively from a causal LM, optionally with side branches.
+
+    width 1: a chain. Greedy: argmax drafts (q = point mass, no probabilities kept); otherwise each token is sampled
+    from q, the drafter's distribution under the same temperature / top-k / top-p, and q is kept.
+    width W > 1: at every depth the W most likely tokens of q become siblings (deterministic top-k children, so q is
+    a point mass and the acceptance rule stays exact at any temperature) and the most likely one carries the chain
+    on. T = depth * W nodes for the same `depth` drafter forwards; node i * W + r is the rank-r token at depth i.
 
     Args:
         step: (token int32[B], position int32[B], carry) -> (logits [B, V], carry): feeds one token.
         first_logits: [B, V], the drafter's logits at the root. first_position: int32[B], the root's position.
-        sampling: greedy -> argmax drafts (q = point mass, no probabilities kept); otherwise tokens are sampled
-            from q = the drafter's distribution under the same temperature / top-k / top-p, and q is kept.
-    Returns the chain as a DraftTree and the final carry.
+    Returns the tree and the final carry.
     """
     batch = first_logits.shape[0]
+    sampled = width == 1 and not sampling.greedy
 
-    def choose(logits, key):
-        if sampling.greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    def choose(logits, key):  # -> (tokens int32[B, W], q [B, V] or None)
         logq = process_logits(logits, sampling)  # [B, V]
-        return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
+        if sampled:
+            return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)[:, None], jnp.exp(logq)
+        if width == 1:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], None
+        return jax.lax.top_k(logq, width)[1].astype(jnp.int32), None
 
-    keys = jax.random.split(rng, num_tokens)
-    token, q = choose(first_logits, keys[0])
+    keys = jax.random.split(rng, depth)
+    tokens, q = choose(first_logits, keys[0])
 
     def body(state, i):
-        token, carry = state
-        logits, carry = step(token, first_position + i + 1, carry)
+        tokens, carry = state
+        logits, carry = step(tokens[:, 0], first_position + i + 1, carry)
         new, q = choose(logits, keys[i + 1])
         return (new, carry), (new, q)
 
-    (_, carry), (rest, rest_q) = jax.lax.scan(body, (token, carry), jnp.arange(num_tokens - 1))
-    tokens = jnp.concatenate([token[:, None], rest.T], axis=1)  # [B, K]
+    (_, carry), (rest, rest_q) = jax.lax.scan(body, (tokens, carry), jnp.arange(depth - 1))
+    # rest: [depth-1, B, W] -> nodes ordered by depth, then rank
+    all_tokens = jnp.concatenate([tokens[:, None], rest.transpose(1, 0, 2)], axis=1).reshape(batch, depth * width)
     draft_probs = None if q is None else jnp.concatenate([q[:, None], rest_q.transpose(1, 0, 2)], axis=1)
-    parents = jnp.broadcast_to(jnp.asarray(chain_parents(num_tokens)), (batch, num_tokens))
-    return DraftTree(tokens=tokens, parents=parents, valid=jnp.ones((batch, num_tokens), jnp.bool_),
-                     draft_probs=draft_probs), carry
+    parents = np.repeat(np.arange(-1, depth - 1) * width, width).clip(min=-1).astype(np.int32)  # chain node above
+    return DraftTree(tokens=all_tokens, parents=jnp.broadcast_to(jnp.asarray(parents), (batch, depth * width)),
+                     valid=jnp.ones((batch, depth * width), jnp.bool_), draft_probs=draft_probs), carry

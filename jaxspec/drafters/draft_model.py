@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import init_cache
 from jaxspec.config import ModelConfig
-from jaxspec.drafters.base import Drafter, RoundInputs, draft_chain
+from jaxspec.drafters.base import ChainDrafter, RoundInputs, draft_chain
 from jaxspec.errors import UserError
 from jaxspec.generate import prefill
 from jaxspec.model import forward
@@ -24,7 +24,7 @@ from jaxspec.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(ChainDrafter):
     """params: the draft model's `Weights`; state: its KVCache."""
 
     draft_cfg: ModelConfig
@@ -55,7 +55,7 @@ class DraftModelDrafter(Drafter):
             return to_target_vocab(out.logits[:, 0]), out.cache
 
         first = to_target_vocab(out.logits[:, 1])
-        tree, cache = draft_chain(step, first, length, self.num_nodes, sampling, rng, out.cache)
+        tree, cache = draft_chain(step, first, length, self.depth, sampling, rng, out.cache, self.tree_width)
         return tree, cache, inputs.target_cache
 
     def check_compatible(self, params, target_cfg, target_tokenizer=None, draft_tokenizer=None):

