@@ -117,8 +117,8 @@ def cmd_generate(args) -> None:
     from jaxspec.generate import stream_generate
     from jaxspec.loading import load_model
     from jaxspec.methods import build_method
-    from jaxspec.sampling import SamplingConfig
     from jaxspec.metrics import tau
+    from jaxspec.sampling import SamplingConfig
     from jaxspec.tokenizer import encode_prompt
 
     prompts = list(args.prompt)

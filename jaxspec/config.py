@@ -75,7 +75,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Builds a config from the dict of a Hugging Face `config.json`."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
@@ -112,7 +112,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_config(cls, path: str) -> "ModelConfig":
+    def from_hf_config(cls, path: str) -> ModelConfig:
         """Builds a config from a Hugging Face folder (or a config.json path).
 
         transformers' AutoConfig (no torch) validates and fills defaults; the result is read as a dict.
@@ -132,7 +132,7 @@ class ModelConfig:
         return cls.from_hf_dict(raw)
 
     @classmethod
-    def from_gguf(cls, reader) -> "ModelConfig":
+    def from_gguf(cls, reader) -> ModelConfig:
         """Builds a config from the metadata of a `gguf.GGUFReader`."""
         meta = gguf_metadata(reader)
         arch = meta.get("general.architecture")

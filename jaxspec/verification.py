@@ -22,8 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import ModelConfig
 from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
 from jaxspec.model import ForwardOutput, Weights, forward
 from jaxspec.tree import DraftTree, ancestor_mask, tree_positions
 

@@ -6,11 +6,10 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import fixture_path
 
 from jaxspec import loading
 from jaxspec.cli import main
-
-from conftest import fixture_path
 
 
 def _run(capsys, *argv):

@@ -51,8 +51,9 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_reference):
 def test_smollm2_greedy_chat_matches_transformers_batched(smollm2, smollm2_reference):
     """Four chat prompts of different lengths in one batch; each row equals transformers' greedy output."""
     ref = smollm2_reference
-    from jaxspec.tokenizer import encode_prompt
     import json
+
+    from jaxspec.tokenizer import encode_prompt
 
     prompts = json.loads(str(ref["prompts"]))
     ids = [encode_prompt(smollm2.tokenizer, p) for p in prompts]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fixture_path
 
 from jaxspec.cache import commit_positions, init_cache
 from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter, RoundInputs
@@ -19,8 +20,6 @@ from jaxspec.sampling import GREEDY, SamplingConfig, target_probs
 from jaxspec.speculative import speculative_generate, speculative_generate_tokens
 from jaxspec.tokenizer import encode_prompt
 from jaxspec.verification import accept, verify_forward
-
-from conftest import fixture_path
 
 
 def _tiny_prompts(ref):
