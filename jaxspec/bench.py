@@ -670,7 +670,7 @@ def cmd_bench(args) -> None:
           f"autoregressive's on the same prompts; tau = tokens per verification round; accept@i = fraction of rounds "
           f"accepting draft position i; =AR: T=0 tokens equal autoregressive's. {WARMUP_NOTE.split(':')[0]}.")
     if "skipped" in bench["peers"]:
-        print(f"Peers: skipped ({bench['peers']['skipped']}).")
+        print(f"Peers skipped: {bench['peers']['skipped']}.")
     print(f"Wrote {', '.join(written.values())}")
     if not bench["greedy_identical"]:
         print("\n" + "\n".join(bench["greedy_mismatches"]), file=sys.stderr)
