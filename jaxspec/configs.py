@@ -1,0 +1,527 @@
+"""Training configs: YAML files read into frozen, kw_only dataclasses, with `--set key.sub=value` overrides.
+
+A training config has the sections every method shares (`data`, `optim`, `loss`, `run`, `mesh`) plus a
+free-form `drafter` mapping. The method named by `method` owns its own frozen dataclass and converts the
+`drafter` mapping with `from_dict(its_cls, cfg.drafter, path="drafter")` before any work starts, so a typo
+there is refused with the same message (dotted key, valid keys, closest key) as anywhere else. This keeps this
+module free of imports from the methods (each method registers itself with the training loop, not here) and a
+new method needs no edit to this file. The format is described key by key in `configs/README.md`.
+
+    cfg = load_config("configs/medusa-smollm2.yaml", TrainConfig, overrides=["optim.learning_rate=3e-4"])
+    optimizer = make_optimizer(cfg.optim, cfg.run.steps)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypeVar, Union
+
+import jax
+import optax
+import yaml
+
+from jaxspec.errors import UserError
+
+T = TypeVar("T")
+
+SCHEDULES = ("linear", "cosine", "constant")
+LOSS_KINDS = ("forward_kl", "reverse_kl", "sft")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+# ---------------------------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-4` as a float (YAML 1.1, PyYAML's default, wants `1.0e-4`; YAML 1.2 does not)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str = "<string>") -> Any:
+    """Parses YAML text safely (no object construction), reading `1e-4` as a float.
+
+    Args:
+        text: the YAML document.
+        source: where the text came from, for the error message.
+
+    Returns:
+        The parsed value (a dict for a config file).
+
+    Raises:
+        UserError: the text is not valid YAML.
+    """
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader: no object construction
+    except yaml.YAMLError as e:
+        raise UserError(f"{source} is not valid YAML: {' '.join(str(e).split())}") from None
+
+
+def dump_config(obj: Any) -> str:
+    """A config dataclass (or dict) as YAML text that `load_config` reads back to an equal config."""
+    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=False)
+
+
+# ---------------------------------------------------------------------------------------------- dataclass <-> dict
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _type_name(tp: Any) -> str:
+    """A phrase for a type hint, as a user would read it in an error message."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return "any value"
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if tp is dict or origin is dict or origin is Mapping:
+        return "a mapping"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        names = " or ".join(_type_name(a) for a in inner)
+        return f"{names} or null" if len(inner) < len(args) else names
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_plural(args[0])}"
+        return f"a list of {len(args)} values ({', '.join(_type_name(a) for a in args)})"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _plural(tp: Any) -> str:
+    return {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(tp, _type_name(tp))
+
+
+def _describe(value: Any) -> str:
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping", type(None): "null"}.get(type(value), type(value).__name__)
+    text = repr(value)
+    return f"{kind} ({text[:60] + '...' if len(text) > 60 else text})"
+
+
+def _wrong_type(tp: Any, value: Any, path: str) -> UserError:
+    return UserError(f"Config key '{path}' must be {_type_name(tp)}, got {_describe(value)}.")
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Checks `value` against the type hint `tp` and converts it (lists to tuples, mappings to dataclasses)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return copy.deepcopy(value)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _wrong_type(tp, value, path)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            if dataclasses.is_dataclass(inner[0]) or typing.get_origin(inner[0]) is tuple:
+                return _convert(inner[0], value, path)  # its own message names the inner key
+            try:
+                return _convert(inner[0], value, path)
+            except UserError:
+                raise _wrong_type(tp, value, path) from None
+        for a in inner:
+            try:
+                return _convert(a, value, path)
+            except UserError:
+                continue
+        raise _wrong_type(tp, value, path)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin is Literal:
+        if value in args and not isinstance(value, bool):
+            return value
+        raise UserError(f"Config key '{path}' must be {_type_name(tp)}, got {_describe(value)}.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _wrong_type(tp, value, path)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _wrong_type(tp, value, path)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _wrong_type(tp, value, path)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _wrong_type(tp, value, path)
+    if tp is dict or origin in (dict, Mapping):
+        if isinstance(value, Mapping):
+            return copy.deepcopy(dict(value))
+        raise _wrong_type(tp, value, path)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _wrong_type(tp, value, path)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _wrong_type(tp, value, path)
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    raise TypeError(f"from_dict cannot read a field of type {tp!r} ({path}); use int, float, str, bool, dict, "
+                    "Literal, tuples, Optional or a nested dataclass")
+
+
+def _unknown_key(key: Any, path: str, valid: Iterable[str]) -> UserError:
+    valid = list(valid)
+    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+    hint = f" Did you mean '{_join(path, close[0])}'?" if close else ""
+    where = f"under '{path}'" if path else "at the top level"
+    return UserError(f"Unknown config key '{_join(path, key)}'.{hint} Valid keys {where}: {', '.join(valid)}.")
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
+    """Builds the dataclass `cls` from a mapping (parsed YAML), checking every key and type.
+
+    Nested dataclass fields read nested mappings; `X | None` accepts null; `tuple[int, ...]` and
+    `tuple[float, ...]` read YAML lists; `Literal[...]` fields accept only their listed values; an int is accepted
+    where a float is expected. Missing keys take the field's default. Values are then checked by the class's own
+    `__post_init__`.
+
+    Args:
+        cls: a dataclass type whose fields are annotated with the types above.
+        data: the mapping to read.
+        path: the dotted key of `data` in the whole config (for messages), "" at the top level.
+
+    Returns:
+        An instance of `cls`.
+
+    Raises:
+        UserError: an unknown key (named with its dotted path, the valid keys and the closest one), a value of
+            the wrong type, a missing required key, or a value the class refuses.
+    """
+    if not isinstance(data, Mapping):
+        where = f"Config key '{path}'" if path else "A config"
+        raise UserError(f"{where} must be a mapping of keys to values ({cls.__name__}), got {_describe(data)}.")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            raise _unknown_key(key, path, fields)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], _join(path, name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise UserError(f"Missing config key '{_join(path, name)}' ({_type_name(hints[name])}); it has no "
+                            "default, so the config must set it.")
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """The inverse of `from_dict`: dataclasses to dicts, tuples to lists, recursively (JSON and YAML ready)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------- files and overrides
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Applies `key.sub=value` overrides (the CLI's `--set`) to a parsed config, returning a new dict.
+
+    The value is parsed as YAML (`3`, `1e-4`, `null`, `[1, 2]`, `true`; anything else is a string), and missing
+    intermediate mappings are created, so an override naming an unknown key reaches `from_dict`, which refuses it
+    with its dotted path.
+
+    Args:
+        data: the parsed config (not modified).
+        overrides: strings `dotted.key=value`.
+
+    Returns:
+        A deep copy of `data` with the overrides applied in order.
+
+    Raises:
+        UserError: an override without `=` or with an empty key part, a value that is not valid YAML, or a path
+            through a key whose value is not a mapping.
+    """
+    out = copy.deepcopy(dict(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or not key or any(not p for p in parts):
+            raise UserError(f"Override '{item}' must look like key.sub=value (for example optim.learning_rate=3e-4).")
+        value = parse_yaml(raw, source=f"The value of override '{item}'")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise UserError(f"Override '{item}' goes through '{where}', which is {_describe(child)}, not a "
+                                "mapping of keys.")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | os.PathLike, cls: type[T], overrides: Iterable[str] = ()) -> T:
+    """Reads a YAML config file into `cls`, applying `key.sub=value` overrides first.
+
+    Args:
+        path: the YAML file.
+        cls: the config dataclass (usually `TrainConfig`).
+        overrides: `--set` strings, applied in order.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        UserError: the file is missing or unreadable, is not valid YAML, is not a mapping, or fails `from_dict`.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise UserError(f"Config file {path} does not exist; pass the path of a YAML file (see configs/).") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Cannot read config file {path}: {e}.") from None
+    data = parse_yaml(text, source=f"Config file {path}")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"Config file {path} must hold a mapping of keys to values, got {_describe(data)}.")
+    return from_dict(cls, apply_overrides(data, overrides))
+
+
+# ---------------------------------------------------------------------------------------------- the sections
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the regenerated training data is and how it is cut."""
+
+    path: str  # the regenerated data set (the target's own responses), as written by train/regenerate
+    seq_len: int = 2048  # tokens per training sequence (prompt + response; longer ones are cut)
+    eval_holdout: float = 0.01  # held out for evaluation: a fraction in [0, 1), or a whole count >= 1
+
+    def __post_init__(self):
+        _require(bool(self.path), "data.path must name the regenerated data set.")
+        _require(self.seq_len > 0, f"data.seq_len must be positive, got {self.seq_len}.")
+        h = self.eval_holdout
+        _require(h >= 0 and (h < 1 or float(h).is_integer()),
+                 f"data.eval_holdout must be a fraction in [0, 1) or a whole count of examples, got {h}.")
+
+    def num_held_out(self, num_examples: int) -> int:
+        """How many of `num_examples` are held out for evaluation (at least 1 when the fraction is non-zero)."""
+        if self.eval_holdout >= 1:
+            return min(int(self.eval_holdout), num_examples)
+        if self.eval_holdout == 0:
+            return 0
+        return min(max(1, round(self.eval_holdout * num_examples)), num_examples)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with warm-up and decay, global-norm clipping, gradient accumulation (see `make_optimizer`)."""
+
+    learning_rate: float = 1e-4  # peak learning rate, reached after the warm-up
+    warmup_steps: int = 100  # linear warm-up from 0, in optimizer updates
+    schedule: Literal["linear", "cosine", "constant"] = "cosine"  # after the warm-up, until the last update
+    final_lr_fraction: float = 0.0  # the decay ends at learning_rate * final_lr_fraction (linear, cosine)
+    weight_decay: float = 0.0  # decoupled (AdamW), on matrices only (ndim >= 2), not on norms and biases
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # global-norm clipping of the (accumulated) gradient; null disables
+    grad_accum: int = 1  # micro-batches averaged per optimizer update (optax.MultiSteps when > 1)
+
+    def __post_init__(self):
+        _require(self.learning_rate > 0, f"optim.learning_rate must be positive, got {self.learning_rate}.")
+        _require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}.")
+        _require(self.schedule in SCHEDULES,
+                 f"optim.schedule must be one of {', '.join(SCHEDULES)}, got '{self.schedule}'.")
+        _require(0 <= self.final_lr_fraction <= 1,
+                 f"optim.final_lr_fraction must be in [0, 1], got {self.final_lr_fraction}.")
+        _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}.")
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got "
+                 f"{self.b1} and {self.b2}.")
+        _require(self.eps > 0, f"optim.eps must be positive, got {self.eps}.")
+        _require(self.grad_clip is None or self.grad_clip > 0,
+                 f"optim.grad_clip must be positive (or null to disable clipping), got {self.grad_clip}.")
+        _require(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The distillation loss and its per-draft-position weights (see `jaxspec/losses.py`)."""
+
+    kind: Literal["forward_kl", "reverse_kl", "sft"] = "forward_kl"
+    position_decay: float | None = None  # weight decay**i for draft position i (Medusa, EAGLE-3: 0.8); null: none
+    gamma: float | None = None  # DFlash-style weight exp(-gamma * i); null: none
+
+    def __post_init__(self):
+        _require(self.kind in LOSS_KINDS, f"loss.kind must be one of {', '.join(LOSS_KINDS)}, got '{self.kind}'.")
+        _require(self.position_decay is None or 0 < self.position_decay <= 1,
+                 f"loss.position_decay must be in (0, 1] or null, got {self.position_decay}.")
+        _require(self.gamma is None or self.gamma >= 0, f"loss.gamma must be >= 0 or null, got {self.gamma}.")
+        _require(self.position_decay is None or self.gamma is None,
+                 "loss.position_decay and loss.gamma are two ways to weight draft positions; set only one.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Length, batch, seed, output and the cadence of logs, evaluations and checkpoints (in optimizer updates)."""
+
+    steps: int = 1000  # optimizer updates; each sees grad_accum micro-batches of batch_size sequences
+    batch_size: int = 8  # sequences per micro-batch, over all data-parallel devices
+    seed: int = 0  # parameter initialisation and data order
+    out_dir: str = "runs/drafter"  # checkpoints/, metrics.jsonl, config.json, loss.png, drafter/
+    save_every: int = 500  # training checkpoint interval; the last step is always saved
+    keep_checkpoints: int = 3  # training checkpoints kept (the newest)
+    eval_every: int = 0  # acceptance evaluation interval; 0 disables it
+    eval_prompts: int = 16  # held-out prompts used by each evaluation
+    log_every: int = 10  # metrics line interval
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "save_every", "keep_checkpoints", "log_every"):
+            value = getattr(self, name)
+            _require(value > 0, f"run.{name} must be positive, got {value}.")
+        _require(self.eval_every >= 0, f"run.eval_every must be >= 0 (0 disables evaluation), got {self.eval_every}.")
+        _require(self.eval_prompts > 0, f"run.eval_prompts must be positive, got {self.eval_prompts}.")
+        _require(self.seed >= 0, f"run.seed must be >= 0, got {self.seed}.")
+        _require(bool(self.out_dir), "run.out_dir must name a directory.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """The device mesh for training: data parallelism over `data` devices."""
+
+    data: int = 1
+
+    def __post_init__(self):
+        _require(self.data >= 1, f"mesh.data must be >= 1, got {self.data}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A drafter training run. `drafter` is free-form here; the method's own dataclass reads it."""
+
+    method: str  # the drafter family to train (medusa, eagle3, dflash, ...)
+    target: str = "smollm2-135m"  # the frozen target: a known name, a .gguf file or a HF folder
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # target dtype; auto: float32 on CPU, bfloat16 else
+    data: DataConfig
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+    run: RunConfig = RunConfig()
+    mesh: MeshConfig = MeshConfig()
+    # Excluded from the hash (a dict is unhashable) but compared, so equal configs still hash equally.
+    drafter: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        _require(bool(self.method), "method must name the drafter to train (for example medusa or eagle3).")
+        _require(bool(self.target), "target must name the target model (a known name, .gguf file or HF folder).")
+        _require(self.run.batch_size % self.mesh.data == 0,
+                 f"run.batch_size={self.run.batch_size} must be a multiple of mesh.data={self.mesh.data}.")
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+
+def make_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedule:
+    """The learning rate per optimizer update: linear warm-up from 0, then linear/cosine decay or constant.
+
+    Args:
+        optim: the optimizer section.
+        total_steps: optimizer updates in the run (`run.steps`); the decay ends there.
+
+    Returns:
+        step -> learning rate; 0 at step 0, `learning_rate` at `warmup_steps`, `learning_rate *
+        final_lr_fraction` at `total_steps` (linear, cosine).
+
+    Raises:
+        UserError: `total_steps` is not positive or is shorter than the warm-up.
+    """
+    _require(total_steps > 0, f"The run must have a positive number of steps, got {total_steps}.")
+    _require(optim.warmup_steps <= total_steps, f"optim.warmup_steps={optim.warmup_steps} is longer than the run "
+             f"({total_steps} steps); shorten the warm-up or train longer.")
+    peak, warm = optim.learning_rate, optim.warmup_steps
+    end = peak * optim.final_lr_fraction
+    decay_steps = total_steps - warm
+    if optim.schedule == "constant" or decay_steps == 0:
+        after = optax.constant_schedule(peak)
+    elif optim.schedule == "linear":
+        after = optax.linear_schedule(peak, end, decay_steps)
+    else:
+        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=optim.final_lr_fraction)
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
+
+
+def _decay_mask(params):
+    # Weight decay on matrices only: decaying norm scales and biases towards 0 hurts and is not what AdamW
+    # recipes for transformers do.
+    return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW on the `make_schedule` learning rate, after global-norm clipping, with gradient accumulation.
+
+    With `grad_accum = k > 1` the result is `optax.MultiSteps`: call `update` once per micro-batch; every k-th
+    call applies one AdamW update on the mean of the k gradients (clipped as a whole), the others return zero
+    updates. The schedule counts optimizer updates, not micro-batches.
+
+    Args:
+        optim: the optimizer section.
+        total_steps: optimizer updates in the run (`run.steps`).
+
+    Returns:
+        The optax transformation (its `init` and `update`).
+    """
+    schedule = make_schedule(optim, total_steps)
+    parts = []
+    if optim.grad_clip is not None:
+        parts.append(optax.clip_by_global_norm(optim.grad_clip))
+    parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
+                             mask=_decay_mask))
+    tx = optax.chain(*parts)
+    if optim.grad_accum > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=optim.grad_accum).gradient_transformation()
+    return tx
