@@ -49,6 +49,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     """Options that choose and configure the decoding method (shared by generate and bench)."""
     from jaxspec.methods import METHODS
 
+    p.add_argument("--drafter", help="learned methods (medusa): a drafter folder from `jaxspec train`, or 'untrained'")
     p.add_argument("--draft-model", help="draft-model: a known name, .gguf file or HF folder sharing the tokenizer")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft depth per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3)")
@@ -64,7 +65,8 @@ def method_options(args):
     from jaxspec.methods import MethodOptions
 
     return MethodOptions(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                         tree_width=args.tree_width, ngram=args.ngram, exit_layer=args.exit_layer)
+                         tree_width=args.tree_width, ngram=args.ngram, exit_layer=args.exit_layer,
+                         drafter=args.drafter)
 
 
 def build_parser() -> argparse.ArgumentParser:

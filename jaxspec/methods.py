@@ -14,7 +14,8 @@ from jaxspec.loading import LoadedModel, load_model
 from jaxspec.sampling import GREEDY, SamplingConfig
 from jaxspec.speculative import speculative_generate
 
-METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit")
+METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa")
+LEARNED_METHODS = ("medusa",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,7 @@ class MethodOptions:
     tree_width: int = 1  # W top-k siblings per depth (draft-model, early-exit): T = K * W nodes
     ngram: int = 3  # prompt-lookup: longest n-gram matched
     exit_layer: int | None = None  # early-exit: layers used to draft
+    drafter: str | None = None  # learned methods: a drafter checkpoint folder, or "untrained"
 
 
 DEFAULT_DRAFT_TOKENS = {"draft-model": 4, "prompt-lookup": 4, "early-exit": 3}
@@ -58,6 +60,9 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
         raise UserError(f"Unknown method '{name}'; choose one of {', '.join(METHODS)}.")
     if name == "autoregressive":
         return Method(name=name, drafter=None, params=None, target=target)
+    if name in LEARNED_METHODS:
+        drafter, params = load_learned_drafter(name, target, options.drafter)
+        return Method(name=name, drafter=drafter, params=params, target=target)
     k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
     if k < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
@@ -87,3 +92,33 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
     drafter = DraftModelDrafter(depth=k, tree_width=width, draft_cfg=draft.config)
     drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
     return Method(name=name, drafter=drafter, params=draft.weights, target=target)
+
+
+def _method_config(method: str, config: dict):
+    from jaxspec.configs import from_dict
+
+    if method == "medusa":
+        from jaxspec.drafters.medusa import MedusaConfig
+
+        return from_dict(MedusaConfig, config, path="drafter")
+    raise UserError(f"Method '{method}' has no learned drafter.")
+
+
+def load_learned_drafter(method: str, target: LoadedModel, path: str | None):
+    """(drafter, params) from a drafter checkpoint trained for `target`, or freshly initialised for "untrained"."""
+    if path is None:
+        raise UserError(
+            f"The {method} method needs --drafter: a drafter folder written by `jaxspec train`, or 'untrained' for "
+            "freshly initialised weights (a baseline that shows what training adds)."
+        )
+    if path == "untrained":
+        cfg = _method_config(method, {})
+        return cfg.make_drafter(), cfg.init_params(target.config, target.weights)
+    from jaxspec.checkpoint import load_drafter, read_drafter_meta
+
+    meta = read_drafter_meta(path)
+    cfg = _method_config(method, meta.get("config", {}))
+    abstract = cfg.init_params(target.config, target.weights)
+    _, params = load_drafter(path, expected_method=method, target_fingerprint=target.fingerprint(),
+                             target_source=target.source, abstract_params=abstract)
+    return cfg.make_drafter(), params

@@ -32,6 +32,22 @@ DEFAULT_CHOICES = (
 )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MedusaConfig:
+    """The `drafter:` section of a Medusa training config, also stored in Medusa checkpoints."""
+
+    num_heads: int = 3
+    choices: tuple[tuple[int, ...], ...] = DEFAULT_CHOICES
+    own_lm_head: bool = False  # False: share the target's LM head (frozen)
+    head_decay: float = 0.8  # loss weight of head k is head_decay^k
+
+    def make_drafter(self) -> "MedusaDrafter":
+        return MedusaDrafter(num_heads=self.num_heads, choices=tuple(tuple(c) for c in self.choices))
+
+    def init_params(self, target_cfg: ModelConfig, target_weights: Weights) -> "MedusaParams":
+        return init_medusa_params(target_cfg, self.num_heads, self.own_lm_head, target_weights)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MedusaParams:
