@@ -79,12 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(gen)
     gen.add_argument("--method", choices=METHODS, default="autoregressive", help="decoding method")
     add_method_args(gen)
-    try:
-        from jaxspec.bench import add_bench_parser
-    except ImportError:  # the benchmark harness is optional while it is being built
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    from jaxspec.bench import add_bench_parser
+    from train.distill import add_train_parser
+    from train.regenerate import add_regenerate_parser
+
+    add_bench_parser(sub)
+    add_regenerate_parser(sub)
+    add_train_parser(sub)
     return parser
 
 
@@ -205,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
             from jaxspec.bench import cmd_bench
 
             cmd_bench(args)
+        elif args.command == "regenerate":
+            from train.regenerate import cmd_regenerate
+
+            cmd_regenerate(args)
+        elif args.command == "train":
+            from train.distill import cmd_train
+
+            cmd_train(args)
     except UserError as e:
         print(f"jaxspec: error: {e}", file=sys.stderr)
         return 2

@@ -590,11 +590,17 @@ class RegeneratedDataset:
         """int32[length]: prompt then response ids of one sample."""
         return self.flat[self.offsets[index]: self.offsets[index + 1]]
 
-    def order(self, epoch: int, seed: int) -> np.ndarray:
-        """int64[N]: the sample order of one epoch, a permutation fixed by (seed, epoch)."""
-        return np.random.default_rng([seed, epoch]).permutation(self.num_samples)
+    def order(self, epoch: int, seed: int, held_out: int = 0) -> np.ndarray:
+        """int64[N - held_out]: the sample order of one epoch, a permutation fixed by (seed, epoch)."""
+        return np.random.default_rng([seed, epoch]).permutation(self.num_samples - held_out)
 
-    def batches(self, batch_size: int, seq_len: int, seed: int = 0, start: int = 0) -> Iterator[dict[str, Any]]:
+    def held_out_prompts(self, count: int) -> list[list[int]]:
+        """Prompt ids of the last `count` samples, which `batches(..., held_out=count)` never serves."""
+        first = self.num_samples - count
+        return [self.sample(i)[: self.prompt_lengths[i]].tolist() for i in range(first, self.num_samples)]
+
+    def batches(self, batch_size: int, seq_len: int, seed: int = 0, start: int = 0,
+                held_out: int = 0) -> Iterator[dict[str, Any]]:
         """Endless shuffled batches, epoch after epoch, resumable at any sample.
 
         Sample `position` p of the stream is `order(p // N, seed)[p % N]`; a batch takes the next `batch_size`
@@ -606,6 +612,7 @@ class RegeneratedDataset:
             seq_len: Columns per batch; shorter rows are right-padded with 0.
             seed: Fixes the shuffled order.
             start: The `position` of an earlier batch, to continue exactly after it.
+            held_out: The last `held_out` samples are kept out (for evaluation; see `held_out_prompts`).
 
         Yields:
             dicts with `tokens` int32[B, seq_len], `loss_mask` bool[B, seq_len] (see `loss_mask`: True at t when
@@ -614,14 +621,16 @@ class RegeneratedDataset:
         """
         if batch_size < 1 or seq_len < 2:
             raise UserError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}.")
-        n = self.num_samples
+        n = self.num_samples - held_out
+        if n < 1:
+            raise UserError(f"Holding out {held_out} of {self.num_samples} samples leaves none to train on.")
         position, epoch, order = start, None, None
         while True:
             indices = np.empty(batch_size, np.int64)  # [B]
             for row in range(batch_size):
                 if epoch != position // n:
                     epoch = position // n
-                    order = self.order(epoch, seed)
+                    order = self.order(epoch, seed, held_out)
                 indices[row] = order[position % n]
                 position += 1
             tokens = np.zeros((batch_size, seq_len), np.int32)  # [B, S]

@@ -39,7 +39,7 @@ class MedusaConfig:
     num_heads: int = 3
     choices: tuple[tuple[int, ...], ...] = DEFAULT_CHOICES
     own_lm_head: bool = False  # False: share the target's LM head (frozen)
-    head_decay: float = 0.8  # loss weight of head k is head_decay^k
+    positions_per_row: int = 64  # training positions sampled per sequence (0: all); bounds the vocabulary products
 
     def make_drafter(self) -> "MedusaDrafter":
         return MedusaDrafter(num_heads=self.num_heads, choices=tuple(tuple(c) for c in self.choices))
@@ -123,25 +123,49 @@ class MedusaDrafter(Drafter):
         return jnp.take_along_axis(verification.last_hidden, last[:, :, None], axis=1)[:, 0]  # [B, d]
 
 
+def sample_positions(loss_mask: jax.Array, num_heads: int, count: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Picks `count` training positions t per row where at least head 0 has a target (loss_mask[t + 1]).
+
+    loss_mask: bool[B, S]. Returns (positions int32[B, count], valid bool[B, count]); sampling without replacement,
+    uniform over the eligible positions (rows with fewer get them all, the rest marked invalid).
+    """
+    b, s = loss_mask.shape
+    eligible = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((b, 1), jnp.bool_)], axis=1)  # [B, S]
+    scores = jnp.where(eligible, jax.random.uniform(key, (b, s)), -1.0)
+    top_scores, positions = jax.lax.top_k(scores, min(count, s))
+    return positions.astype(jnp.int32), top_scores >= 0
+
+
 def medusa_loss(params: MedusaParams, target_weights: Weights, target_cfg: ModelConfig, hidden: jax.Array,
-                target_logits: jax.Array, loss_mask: jax.Array, *, kind: str = "forward_kl", decay: float = 0.8):
+                loss_mask: jax.Array, key: jax.Array, *, kind: str = "forward_kl", decay: float = 0.8,
+                positions_per_row: int = 64):
     """Distillation loss of the heads on a batch of sequences.
 
     Head k at position t is compared with the target's distribution at t + k + 1 (its prediction of token
-    t + k + 2 given the true text), weighted by decay^k, where loss_mask[t + k + 1] holds.
+    t + k + 2 given the true text), weighted by decay^k, where loss_mask[t + k + 1] holds. To keep the
+    vocabulary-sized products affordable, `positions_per_row` positions t per row are sampled (0: all).
 
     Args:
-        hidden: [B, S, d] the frozen target's last residual stream; target_logits: [B, S, V]; loss_mask: bool[B, S].
+        hidden: [B, S, d] the frozen target's last residual stream; loss_mask: bool[B, S]; key: PRNG key.
     Returns (loss, per-head losses [K]).
     """
+    from jaxspec.model import lm_head
+
     k_heads = params.w.shape[0]
-    logits = medusa_logits(params, target_weights, target_cfg, hidden)  # [B, S, K, V]
+    b, s, _ = hidden.shape
+    if positions_per_row:
+        positions, valid = sample_positions(loss_mask, k_heads, positions_per_row, key)  # [B, P]
+    else:
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        valid = jnp.ones((b, s), jnp.bool_)
+    gather = jax.vmap(lambda rows, idx: rows[jnp.clip(idx, 0, s - 1)])
+    draft_logits = medusa_logits(params, target_weights, target_cfg, gather(hidden, positions))  # [B, P, K, V]
     per_head = []
     for k in range(k_heads):
-        shift = k + 1
-        draft = logits[:, :-shift, k]  # [B, S - shift, V]
-        values = per_position_loss(kind, draft, target_logits[:, shift:])
-        per_head.append(masked_mean(values, loss_mask[:, shift:]))
+        ahead = positions + k + 1  # [B, P]
+        target_logits = jax.lax.stop_gradient(lm_head(target_weights, target_cfg, gather(hidden, ahead)))
+        mask = valid & (ahead < s) & gather(loss_mask, ahead)
+        per_head.append(masked_mean(per_position_loss(kind, draft_logits[:, :, k], target_logits), mask))
     per_head = jnp.stack(per_head)
     weights = decay_weights(k_heads, decay)
     return jnp.sum(weights * per_head) / jnp.sum(weights), per_head

@@ -1,0 +1,182 @@
+"""Drafter training end to end on a tiny target: Medusa trained from regenerated data, exact resume,
+data parallelism on 8 fake devices, checkpoints refused for another target, greedy Medusa equals autoregressive."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import fixture_path
+
+from jaxspec.configs import TrainConfig, from_dict
+from jaxspec.data import regenerate_ids
+from jaxspec.errors import UserError
+from jaxspec.generate import generate
+from jaxspec.loading import load_model
+from jaxspec.methods import MethodOptions, build_method
+
+TINY = fixture_path("tiny-llama3")
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    target = load_model(TINY)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(20)]
+    out = str(tmp_path_factory.mktemp("regen"))
+    regenerate_ids(target, prompts, out, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
+                   progress=False)
+    return target, out
+
+
+def _config(data_path, out_dir, **run):
+    return from_dict(TrainConfig, {
+        "method": "medusa", "target": TINY, "dtype": "float32",
+        "data": {"path": data_path, "seq_len": 32, "eval_holdout": 4},
+        "optim": {"learning_rate": 3e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},
+        "loss": {"kind": "forward_kl", "position_decay": 0.8},
+        "run": {"steps": 6, "batch_size": 4, "seed": 0, "out_dir": out_dir, "save_every": 1, "keep_checkpoints": 2,
+                "eval_every": 3, "eval_prompts": 4, "log_every": 1, **run},
+        "drafter": {"num_heads": 2, "choices": [[0], [1], [0, 0]], "positions_per_row": 8},
+    })
+
+
+def test_training_produces_a_drafter_and_logs(tiny_data, tmp_path):
+    from train.distill import train
+
+    target, data = tiny_data
+    summary = train(_config(data, str(tmp_path / "run")), progress=False)
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 6 and all(np.isfinite(losses))
+    # on a fixed batch, every position: the trained heads are closer to the target than the initial ones
+    from jaxspec.data import RegeneratedDataset
+    from jaxspec.drafters.medusa import init_medusa_params, medusa_loss
+    from train.distill import target_features
+
+    batch = next(RegeneratedDataset(data).batches(16, 32, seed=1))
+    feats = target_features(target.weights, target.config, jax.numpy.asarray(batch["tokens"]), ())
+
+    def fixed_loss(params):
+        return float(medusa_loss(params, target.weights, target.config, feats.last_hidden, batch["loss_mask"],
+                                 jax.random.key(0), positions_per_row=0)[0])
+
+    assert fixed_loss(summary["params"]) < fixed_loss(init_medusa_params(target.config, 2))
+    assert any("eval_tau" in r for r in records) and all(r["tokens_per_second"] > 0 for r in records if "loss" in r)
+    assert (run / "loss.png").stat().st_size > 1000
+    # the shipped drafter loads for this target and decodes exactly like autoregressive decoding
+    method = build_method("medusa", target, MethodOptions(drafter=summary["drafter"]))
+    prompts = [[5, 9, 33, 2], list(range(40, 58))]
+    expected = generate(target.weights, target.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
+    assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
+
+
+def test_resumed_training_equals_uninterrupted(tiny_data, tmp_path):
+    from train.distill import train
+
+    _, data = tiny_data
+    whole = train(_config(data, str(tmp_path / "whole"), eval_every=0), progress=False)
+    part = train(_config(data, str(tmp_path / "split"), eval_every=0), progress=False, stop_after=4)
+    assert part["steps"] == 4 and "drafter" not in part
+    resumed = train(_config(data, str(tmp_path / "split"), eval_every=0), progress=False)
+    assert resumed["steps"] == 6 and resumed["data_position"] == whole["data_position"]
+    for a, b in zip(jax.tree.leaves(whole["params"]), jax.tree.leaves(resumed["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_drafter_for_another_target_is_refused(tiny_data, tmp_path):
+    from train.distill import train
+
+    _, data = tiny_data
+    summary = train(_config(data, str(tmp_path / "run"), steps=2, eval_every=0), progress=False)
+    other = load_model(fixture_path("tiny-qwen2"))
+    with pytest.raises(UserError, match="trained for target"):
+        build_method("medusa", other, MethodOptions(drafter=summary["drafter"]))
+
+
+def test_data_from_another_target_is_refused(tiny_data, tmp_path):
+    from train.distill import train
+
+    _, data = tiny_data
+    config = _config(data, str(tmp_path / "run"))
+    config = from_dict(TrainConfig, {**json.loads(json.dumps(_to_plain(config))), "target": fixture_path("tiny-qwen2")})
+    with pytest.raises(UserError, match="another target"):
+        train(config, progress=False)
+
+
+def _to_plain(config):
+    from jaxspec.configs import to_dict
+
+    return to_dict(config)
+
+
+def test_unknown_config_key_is_refused_by_the_cli(tmp_path, capsys):
+    from jaxspec.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("method: medusa\ndata:\n  path: x\nrun:\n  stepz: 3\n")
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "run.stepz" in err and "run.steps" in err
+
+
+_DP_SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+from jaxspec.configs import TrainConfig, from_dict, make_optimizer
+from jaxspec.data import RegeneratedDataset
+from jaxspec.loading import load_model
+from jaxspec.sharding import make_mesh
+from train.distill import _shardings, make_train_step, trainable_for
+
+config = from_dict(TrainConfig, json.loads({config!r}))
+target = load_model(config.target)
+trainable = trainable_for("medusa")
+from jaxspec.configs import from_dict as fd
+mcfg = fd(trainable.config_cls, dict(config.drafter))
+params = trainable.init_params(mcfg, target, jax.random.key(0))
+params = jax.tree.map(lambda x: x + 0.01, params)
+opt = make_optimizer(config.optim, 10)
+batch = next(RegeneratedDataset(config.data.path).batches(8, 32, 0))
+out = {{}}
+for data_axis in (1, 8):
+    mesh = make_mesh(data=data_axis, model=1, devices=jax.devices()[:data_axis])
+    rep, sharded = _shardings(mesh)
+    step = jax.jit(make_train_step(trainable, mcfg, target.config, config.loss, opt, ()),
+                   in_shardings=(rep, rep, rep, sharded, sharded, rep), out_shardings=(rep, rep, rep))
+    p, _, m = step(params, opt.init(params), target.weights, jnp.asarray(batch["tokens"]),
+                   jnp.asarray(batch["loss_mask"]), jax.random.key(3))
+    out[data_axis] = [np.asarray(x).tolist() for x in jax.tree.leaves(p)] + [float(m["loss"])]
+print(json.dumps(out))
+"""
+
+
+def test_data_parallel_step_equals_single_device(tiny_data, tmp_path):
+    from jaxspec.configs import to_dict
+
+    _, data = tiny_data
+    config = json.dumps(to_dict(_config(data, str(tmp_path / "run"))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _DP_SCRIPT.format(root=root, tests=os.path.join(root, "tests"), config=config)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, eight = out["1"], out["8"]
+    for a, b in zip(one, eight, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_untrained_medusa_is_greedy_exact(tiny_data):
+    target, _ = tiny_data
+    method = build_method("medusa", target, MethodOptions(drafter="untrained"))
+    prompts = [[7, 8, 9], list(range(10, 30))]
+    expected = generate(target.weights, target.config, prompts, max_new_tokens=14, eos_ids=()).token_ids
+    result = method.generate(prompts, max_new_tokens=14, eos_ids=())
+    assert result.token_ids == expected

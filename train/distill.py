@@ -1,0 +1,300 @@
+"""Distilling a drafter from the frozen target: `jaxspec train --config configs/<method>-<target>.yaml`.
+
+One loop for every learned drafter. A method plugs in through a `Trainable` (its config dataclass, how to build
+the drafter and fresh parameters, which target features it needs, and its loss); the loop owns the rest: the
+target's features computed inside the jitted step (never stored for the whole data set), Optax, the data
+axis of a mesh, Orbax checkpoints with exact resume, progress, JSON Lines metrics, a loss-curve PNG, periodic
+tau on held-out prompts, and the final drafter checkpoint tied to the target's fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxspec.configs import TrainConfig, from_dict, make_optimizer, to_dict
+from jaxspec.errors import UserError
+from jaxspec.model import Weights, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """How the training loop handles one method."""
+
+    config_cls: type
+    make_drafter: Any  # (method config) -> Drafter
+    init_params: Any  # (method config, target LoadedModel, key) -> params
+    target_layers: Any  # (method config, target config) -> tuple of hidden layer indices needed ((): last only)
+    # (params, method config, target weights, target cfg, features, loss_mask, loss config, key) -> (loss, metrics)
+    loss: Any
+    needs_logits: bool = False  # whether features.logits ([B, S, V]) must be computed
+
+
+TRAINABLES: dict[str, Trainable] = {}
+
+
+def register(method: str, trainable: Trainable) -> None:
+    TRAINABLES[method] = trainable
+
+
+def trainable_for(method: str) -> Trainable:
+    _register_builtin()
+    if method not in TRAINABLES:
+        known = ", ".join(sorted(TRAINABLES))
+        raise UserError(f"Method '{method}' cannot be trained here; trainable methods: {known}.")
+    return TRAINABLES[method]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Features:
+    """The frozen target on a batch. last_hidden: [B, S, d] residual stream after the last layer (before the final
+    norm); logits: [B, S, V] or None (methods that need the target's distribution at a few positions apply
+    `jaxspec.model.lm_head` to last_hidden there); hidden: [n, B, S, d] the layers the method asked for (or None)."""
+
+    last_hidden: jax.Array
+    logits: jax.Array | None
+    hidden: jax.Array | None
+
+
+def target_features(weights: Weights, cfg, tokens: jax.Array, layers: tuple[int, ...],
+                    with_logits: bool = False) -> Features:
+    """tokens: int32[B, S] -> Features, under stop_gradient (the target is frozen)."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    out = forward(weights, cfg, tokens, positions, hidden_layers=layers, compute_logits=with_logits)
+    return jax.lax.stop_gradient(Features(last_hidden=out.last_hidden, logits=out.logits, hidden=out.hidden))
+
+
+def make_train_step(trainable: Trainable, method_cfg, target_cfg, loss_cfg, optimizer, layers):
+    """The pure step: (params, opt_state, target_weights, tokens [B, S], loss_mask [B, S], key) ->
+    (params, opt_state, metrics)."""
+
+    def step(params, opt_state, target_weights, tokens, loss_mask, key):
+        features = target_features(target_weights, target_cfg, tokens, layers, trainable.needs_logits)
+
+        def loss_fn(p):
+            return trainable.loss(p, method_cfg, target_weights, target_cfg, features, loss_mask, loss_cfg, key)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        return params, opt_state, metrics
+
+    return step
+
+
+def _shardings(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxspec.sharding import DATA
+
+    return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(DATA))
+
+
+def _global_batch(array: np.ndarray, sharding) -> jax.Array:
+    """The global batch as one array sharded over the data axis. Every host reads the same global batch (same
+    seed, same order) and contributes the rows its devices hold, so this also works across hosts."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def maybe_initialize_distributed() -> None:
+    """Multi-host runs (TPU pods, several GPU hosts): `jax.distributed.initialize()` when the environment asks
+    for it (JAX_COORDINATOR_ADDRESS set, or JAXSPEC_DISTRIBUTED=1 on a TPU pod where JAX finds the rest)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("JAXSPEC_DISTRIBUTED") == "1":
+        jax.distributed.initialize()
+
+
+def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Runs (or resumes) a training run; returns a summary. `stop_after` ends early after that many steps of this
+    call (used by tests to simulate an interruption)."""
+    from jaxspec.checkpoint import TrainCheckpointer, save_drafter
+    from jaxspec.data import RegeneratedDataset
+    from jaxspec.loading import load_model
+    from jaxspec.sharding import make_mesh
+
+    trainable = trainable_for(config.method)
+    method_cfg = from_dict(trainable.config_cls, dict(config.drafter), path="drafter")
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(config.dtype)
+    target = load_model(config.target, dtype=dtype, with_tokenizer=True)
+    dataset = RegeneratedDataset(config.data.path)
+    dataset.check_target(target.fingerprint())
+
+    run = config.run
+    os.makedirs(run.out_dir, exist_ok=True)
+    with open(os.path.join(run.out_dir, "config.json"), "w") as f:
+        json.dump(to_dict(config), f, indent=2)
+    key = jax.random.key(run.seed)
+    params = trainable.init_params(method_cfg, target, jax.random.fold_in(key, 1))
+    optimizer = make_optimizer(config.optim, run.steps)
+    opt_state = optimizer.init(params)
+    layers = tuple(trainable.target_layers(method_cfg, target.config))
+
+    if config.mesh.data > len(jax.devices()):
+        raise UserError(f"mesh.data={config.mesh.data} needs that many devices; this host has {len(jax.devices())}.")
+    mesh = make_mesh(data=config.mesh.data, model=1, devices=jax.devices()[: config.mesh.data])
+    if run.batch_size % config.mesh.data:
+        raise UserError(f"run.batch_size={run.batch_size} is not a multiple of mesh.data={config.mesh.data}.")
+    replicated, batch_sharded = _shardings(mesh)
+    step_fn = jax.jit(
+        make_train_step(trainable, method_cfg, target.config, config.loss, optimizer, layers),
+        in_shardings=(replicated, replicated, replicated, batch_sharded, batch_sharded, replicated),
+        out_shardings=(replicated, replicated, replicated),
+        donate_argnums=(0, 1),
+    )
+
+    checkpointer = TrainCheckpointer(os.path.join(run.out_dir, "checkpoints"), run.save_every, run.keep_checkpoints)
+    state = {"params": params, "opt_state": opt_state, "step": 0, "data_position": 0}
+    start_step = 0
+    if checkpointer.latest_step() is not None:
+        state = checkpointer.restore(abstract_state=state)
+        start_step = int(state["step"])
+    params, opt_state, position = state["params"], state["opt_state"], int(state["data_position"])
+
+    metrics_path = os.path.join(run.out_dir, "metrics.jsonl")
+    held_out = config.data.num_held_out(dataset.num_samples) if run.eval_every else 0
+    batches = dataset.batches(run.batch_size, config.data.seq_len, run.seed, start=position, held_out=held_out)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=run.steps, initial=start_step, desc=f"train {config.method}", unit="step")
+    tokens_seen, started = 0, time.perf_counter()
+    step = start_step
+    steps_this_call = 0
+    while step < run.steps:
+        batch = next(batches)
+        tokens, loss_mask = (_global_batch(batch[name], batch_sharded) for name in ("tokens", "loss_mask"))
+        params, opt_state, metrics = step_fn(params, opt_state, target.weights, tokens, loss_mask,
+                                             jax.random.fold_in(key, step))
+        step += 1
+        steps_this_call += 1
+        position = int(batch["position"])
+        tokens_seen += int(np.sum(batch["lengths"]))
+        if step % run.log_every == 0 or step == run.steps:
+            record = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+            elapsed = time.perf_counter() - started
+            record.update(step=step, tokens_per_second=tokens_seen / elapsed, data_position=position)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
+        if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
+            eval_prompts = dataset.held_out_prompts(held_out)[: run.eval_prompts]
+            tau_value = evaluate_tau(trainable, method_cfg, params, target, eval_prompts)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, "eval_tau": tau_value}) + "\n")
+            if bar is not None:
+                bar.write(f"step {step}: tau {tau_value:.3f} on {len(eval_prompts)} held-out prompts")
+        if bar is not None:
+            bar.update(1)
+        checkpointer.save(step, {"params": params, "opt_state": opt_state, "step": step, "data_position": position},
+                          force=step == run.steps)
+        if stop_after is not None and steps_this_call >= stop_after:
+            break
+    checkpointer.wait_until_finished()
+    if bar is not None:
+        bar.close()
+    summary = {"steps": step, "data_position": position, "out_dir": run.out_dir}
+    if step >= run.steps:
+        drafter_dir = os.path.join(run.out_dir, "drafter")
+        save_drafter(drafter_dir, method=config.method, drafter_config=to_dict(method_cfg), params=params,
+                     target_fingerprint=target.fingerprint(), target_source=target.source)
+        plot_loss_curve(metrics_path, os.path.join(run.out_dir, "loss.png"))
+        summary["drafter"] = drafter_dir
+    checkpointer.close()
+    summary["params"] = params
+    return summary
+
+
+def evaluate_tau(trainable, method_cfg, params, target, prompts: list[list[int]]) -> float:
+    """Greedy tau of the drafter on held-out prompts (never trained on)."""
+    from jaxspec.speculative import speculative_generate
+
+    if not prompts:
+        return float("nan")
+    drafter = trainable.make_drafter(method_cfg)
+    result = speculative_generate(target.weights, target.config, drafter, params, prompts, max_new_tokens=64)
+    return result.tau
+
+
+def plot_loss_curve(metrics_path: str, out_png: str) -> None:
+    """Loss (and eval tau when present) against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, losses, eval_steps, taus = [], [], [], []
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "loss" in record:
+                steps.append(record["step"])
+                losses.append(record["loss"])
+            if "eval_tau" in record:
+                eval_steps.append(record["step"])
+                taus.append(record["eval_tau"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, losses, label="train loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if taus:
+        twin = ax.twinx()
+        twin.plot(eval_steps, taus, "o-", color="tab:orange", label="eval tau")
+        twin.set_ylabel("tau")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- built-in methods
+
+
+def _register_builtin() -> None:
+    if "medusa" in TRAINABLES:
+        return
+    from jaxspec.drafters.medusa import MedusaConfig, medusa_loss
+
+    def loss(params, mcfg, target_weights, target_cfg, features, loss_mask, loss_cfg, key):
+        total, per_head = medusa_loss(params, target_weights, target_cfg, features.last_hidden, loss_mask, key,
+                                      kind=loss_cfg.kind, decay=loss_cfg.position_decay or 0.8,
+                                      positions_per_row=mcfg.positions_per_row)
+        return total, {f"loss_head{k}": per_head[k] for k in range(per_head.shape[0])}
+
+    register("medusa", Trainable(
+        config_cls=MedusaConfig,
+        make_drafter=lambda c: c.make_drafter(),
+        init_params=lambda c, target, key: c.init_params(target.config, target.weights),
+        target_layers=lambda c, target_cfg: (),
+        loss=loss,
+    ))
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def add_train_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="distil a drafter from the frozen target (see configs/README.md)")
+    p.add_argument("--config", required=True, help="a YAML file in configs/")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set run.steps=200 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_train(args) -> None:
+    from jaxspec.configs import load_config
+
+    config = load_config(args.config, TrainConfig, args.set)
+    maybe_initialize_distributed()
+    summary = train(config, progress=not args.no_progress)
+    summary.pop("params", None)
+    print(json.dumps(summary))
