@@ -92,14 +92,15 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     Returns:
         The `bench` parser.
     """
-    from jaxspec.cli import _add_model_args, add_method_args
+    from jaxspec.cli import add_method_args, add_model_args
 
     # "resolve": --num-draft-tokens below replaces the single-integer option of add_method_args with a list.
     p = subparsers.add_parser("bench", help="benchmark methods against autoregressive decoding on prompt sets",
                               description=__doc__.split("\n\n")[0], conflict_handler="resolve")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--methods", type=_name_list, default=_name_list(DEFAULT_METHODS),
-                   help=f"comma list (default {DEFAULT_METHODS}); autoregressive always runs as the baseline")
+                   help=f"comma list (default {DEFAULT_METHODS}); autoregressive always runs as the baseline; a "
+                        "learned method may name its drafter: medusa=runs/medusa-smollm2-135m/drafter,medusa=untrained")
     p.add_argument("--prompt-sets", type=_name_list, default=_name_list(DEFAULT_PROMPT_SETS),
                    help=f"comma list of mt-bench, gsm8k, humaneval (default {DEFAULT_PROMPT_SETS})")
     p.add_argument("--limit", type=int, default=8, help="prompts per set (the first N; default 8)")
@@ -627,12 +628,19 @@ def build_methods(target: LoadedModel, args) -> list[Method]:
 
     methods = [build_method(BASELINE, target)]
     ks = args.num_draft_tokens or [None]
-    for name in args.methods:
+    for spec in args.methods:
+        name, _, drafter = spec.partition("=")  # "medusa=runs/x/drafter" or "medusa=untrained" picks the drafter
         if name == BASELINE:
             continue
         for k in ks:
-            options = method_options(argparse.Namespace(**{**vars(args), "num_draft_tokens": k}))
-            methods.append(build_method(name, target, options))
+            overrides = {"num_draft_tokens": k, **({"drafter": drafter} if drafter else {})}
+            options = method_options(argparse.Namespace(**{**vars(args), **overrides}))
+            method = build_method(name, target, options)
+            if drafter:
+                label = "untrained" if drafter == "untrained" else os.path.basename(os.path.dirname(
+                    os.path.abspath(drafter))) or drafter
+                method.name = f"{name}[{label}]"
+            methods.append(method)
     return methods
 
 
@@ -640,14 +648,14 @@ def cmd_bench(args) -> None:
     """Runs `jaxspec bench`: loads the model and prompt sets, runs `run_bench`, prints the table, writes outputs."""
     import jax
 
-    from jaxspec.cli import _dtype
+    from jaxspec.cli import dtype_from_name
     from jaxspec.loading import load_model
     from jaxspec.prompts import load_prompt_set
     from jaxspec.tokenizer import encode_prompt
 
     _check_args(args)
     texts = {name: load_prompt_set(name, args.limit) for name in args.prompt_sets}  # fails fast if not installed
-    target = load_model(args.model, dtype=_dtype(args.dtype))
+    target = load_model(args.model, dtype=dtype_from_name(args.dtype))
     if target.tokenizer is None:
         raise UserError(f"'{target.source}' has no tokenizer (tokenizer.json); the benchmark encodes text prompts.")
     prompt_sets = {name: [encode_prompt(target.tokenizer, t) for t in prompts] for name, prompts in texts.items()}

@@ -18,7 +18,7 @@ import time
 from jaxspec.errors import UserError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
     from jaxspec.loading import DEFAULT_MODEL, KNOWN_MODELS
 
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding for LLMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text with a target model")
-    _add_model_args(gen)
+    add_model_args(gen)
     _add_generation_args(gen)
     gen.add_argument("--method", choices=METHODS, default="autoregressive", help="decoding method")
     add_method_args(gen)
@@ -110,7 +110,7 @@ def read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
-def _dtype(name: str):
+def dtype_from_name(name: str):
     import jax.numpy as jnp
 
     return {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
@@ -132,7 +132,7 @@ def cmd_generate(args) -> None:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    model = load_model(args.model, dtype=_dtype(args.dtype))
+    model = load_model(args.model, dtype=dtype_from_name(args.dtype))
     if model.tokenizer is None:
         raise UserError(f"'{model.source}' has no tokenizer (tokenizer.json); add one to the folder to prompt with text.")
     try:
