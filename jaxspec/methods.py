@@ -14,8 +14,8 @@ from jaxspec.loading import LoadedModel, load_model
 from jaxspec.sampling import GREEDY, SamplingConfig
 from jaxspec.speculative import speculative_generate
 
-METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa")
-LEARNED_METHODS = ("medusa",)
+METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa", "eagle3")
+LEARNED_METHODS = ("medusa", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,6 +101,10 @@ def _method_config(method: str, config: dict):
         from jaxspec.drafters.medusa import MedusaConfig
 
         return from_dict(MedusaConfig, config, path="drafter")
+    if method == "eagle3":
+        from jaxspec.drafters.eagle import Eagle3Config
+
+        return from_dict(Eagle3Config, config, path="drafter")
     raise UserError(f"Method '{method}' has no learned drafter.")
 
 
@@ -113,11 +117,13 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None):
         )
     if path == "untrained":
         cfg = _method_config(method, {})
+        cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg  # target-dependent defaults
         return cfg.make_drafter(), cfg.init_params(target.config, target.weights)
     from jaxspec.checkpoint import load_drafter, read_drafter_meta
 
     meta = read_drafter_meta(path)
     cfg = _method_config(method, meta.get("config", {}))
+    cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg
     abstract = cfg.init_params(target.config, target.weights)
     _, params = load_drafter(path, expected_method=method, target_fingerprint=target.fingerprint(),
                              target_source=target.source, abstract_params=abstract)

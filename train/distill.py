@@ -36,6 +36,7 @@ class Trainable:
     # (params, method config, target weights, target cfg, features, loss_mask, loss config, key) -> (loss, metrics)
     loss: Any
     needs_logits: bool = False  # whether features.logits ([B, S, V]) must be computed
+    init_uses_data: bool = False  # init_params also receives the RegeneratedDataset (EAGLE-3's draft vocabulary)
 
 
 TRAINABLES: dict[str, Trainable] = {}
@@ -58,11 +59,13 @@ def trainable_for(method: str) -> Trainable:
 class Features:
     """The frozen target on a batch. last_hidden: [B, S, d] residual stream after the last layer (before the final
     norm); logits: [B, S, V] or None (methods that need the target's distribution at a few positions apply
-    `jaxspec.model.lm_head` to last_hidden there); hidden: [n, B, S, d] the layers the method asked for (or None)."""
+    `jaxspec.model.lm_head` to last_hidden there); hidden: [n, B, S, d] the layers the method asked for (or None);
+    tokens: int32[B, S] the batch itself (drafters that embed the text, EAGLE-3)."""
 
     last_hidden: jax.Array
     logits: jax.Array | None
     hidden: jax.Array | None
+    tokens: jax.Array | None = None
 
 
 def target_features(weights: Weights, cfg, tokens: jax.Array, layers: tuple[int, ...],
@@ -70,7 +73,8 @@ def target_features(weights: Weights, cfg, tokens: jax.Array, layers: tuple[int,
     """tokens: int32[B, S] -> Features, under stop_gradient (the target is frozen)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     out = forward(weights, cfg, tokens, positions, hidden_layers=layers, compute_logits=with_logits)
-    return jax.lax.stop_gradient(Features(last_hidden=out.last_hidden, logits=out.logits, hidden=out.hidden))
+    return jax.lax.stop_gradient(Features(last_hidden=out.last_hidden, logits=out.logits, hidden=out.hidden,
+                                          tokens=tokens))
 
 
 def make_train_step(trainable: Trainable, method_cfg, target_cfg, loss_cfg, optimizer, layers):
@@ -132,8 +136,11 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     os.makedirs(run.out_dir, exist_ok=True)
     with open(os.path.join(run.out_dir, "config.json"), "w") as f:
         json.dump(to_dict(config), f, indent=2)
+    if hasattr(method_cfg, "for_target"):  # settings whose defaults depend on the target (EAGLE-3's layers)
+        method_cfg = method_cfg.for_target(target.config)
     key = jax.random.key(run.seed)
-    params = trainable.init_params(method_cfg, target, jax.random.fold_in(key, 1))
+    init_data = (dataset,) if trainable.init_uses_data else ()
+    params = trainable.init_params(method_cfg, target, jax.random.fold_in(key, 1), *init_data)
     optimizer = make_optimizer(config.optim, run.steps)
     opt_state = optimizer.init(params)
     layers = tuple(trainable.target_layers(method_cfg, target.config))
@@ -276,6 +283,20 @@ def _register_builtin() -> None:
         init_params=lambda c, target, key: c.init_params(target.config, target.weights),
         target_layers=lambda c, target_cfg: (),
         loss=loss,
+    ))
+
+    from jaxspec.drafters.eagle import Eagle3Config, eagle3_training_loss, response_token_counts
+
+    register("eagle3", Trainable(
+        config_cls=Eagle3Config,
+        make_drafter=lambda c: c.make_drafter(),
+        init_params=lambda c, target, key, dataset=None: c.init_params(
+            target.config, target.weights, key,
+            None if dataset is None else response_token_counts(dataset, target.config.vocab_size)),
+        target_layers=lambda c, target_cfg: c.for_target(target_cfg).feature_layers,
+        loss=eagle3_training_loss,
+        needs_logits=True,
+        init_uses_data=True,
     ))
 
 

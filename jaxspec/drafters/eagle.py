@@ -1,0 +1,581 @@
+"""EAGLE-3 (Li et al. 2025, arXiv 2503.01840) with EAGLE-2 dynamic draft trees (Li et al. 2024), as one drafter.
+
+The head (one Llama-style decoder layer on top of the frozen target):
+- Feature fusion: the target's residual stream after three layers (`feature_layers`, low / mid / high; default
+  (2, L // 2, L - 3) for an L-layer target, (2, 15, 27) for SmolLM2-135M's 30) is concatenated and projected by
+  `fc` [3d -> d] (no bias). The fused feature f_t of position t is the head's residual stream.
+- Input: concat(rms_norm(embed(token), input_norm), rms_norm(feature, hidden_norm)) of width 2d, from which q, k
+  and v are projected; attention with RoPE (the target's settings) over the head's own KV cache; o-projection into
+  the residual stream (the feature), post-attention norm, SwiGLU MLP. The layer's output h (before the final norm)
+  is the next draft step's feature, so later steps skip `fc`.
+- Output: final norm, then the head's own LM head over a REDUCED draft vocabulary of Vd tokens. `d2t[i]` is the
+  target id of draft id i: the Vd most frequent tokens of the regenerated data's responses, most frequent first,
+  ties by id (`build_vocab_map`); `t2d` marks them. Draft logits are mapped to target ids (scattered, -inf
+  elsewhere: `to_target_logits`) before anything compares them with the target.
+- The token embedding is the target's, frozen and shared.
+
+The pair at position t is (feature f_t, token x_{t+1}); its output predicts x_{t+2}.
+
+Drafter state across rounds (`Eagle3State`): the head's KV cache (1 layer) and the "pending" pairs, the fused
+target features of the tokens committed in the last round. The tokens that follow them are read from the loop's
+history, so a pending pair at position t is (pending feature, history[t + 1]). The head's cache always ends where
+the pending pairs begin, and they end at the target's committed length L (the root's position):
+- After the prefill the pending pairs are all prompt positions: (f_0, x_1) ... (f_{n-1}, x_n = root). `init`
+  cannot embed tokens (it does not see the target's weights), so it keeps the prompt's fused features and the first
+  `propose` absorbs them (a `lax.cond` on the first round keeps every later round at the small static width).
+- After a round that committed the root and a accepted nodes at positions L..L+a, `update` takes the target's
+  features at those path nodes from the verification forward: a + 1 pairs, followed by the accepted drafts and the
+  bonus (history), padded to the static width T + 1. The count is implicit: L' - cache length = a + 1.
+- `propose` first runs the head on the pending pairs (writing its cache at their positions; padding lands beyond
+  L' and is overwritten later), takes the output at the last valid pair as the root's draft state, then builds the
+  tree.
+
+EAGLE-2 dynamic tree with static shapes (`depth` D, `top_k` K, `num_nodes` N):
+- Depth 1: the top-K draft tokens of the root distribution; score = log-prob.
+- Each further depth: the head runs once on the K frontier nodes together, each at position L - 1 + its depth,
+  attending to the committed cache (slots < L) plus its drafted ancestors and itself: the fed nodes' keys and values
+  stay in a per-round buffer of (D - 1) * K slots and an ancestor mask selects them (`jaxspec.model._attention`'s
+  "cache slots < length plus new entries under a mask"). Each frontier node's top-K children (K * K candidates,
+  cumulative log-prob scores) join a pool; the top-K candidates by score are the next frontier.
+- The pool (K + (D - 1) K^2 nodes) is reranked and the best N kept. A child's cumulative score never exceeds its
+  parent's (log-probs are <= 0) and ties go to the lower pool index (parents are added before children), so the
+  selection is ancestor-closed; sorting the kept nodes by pool index puts parents before children and siblings in
+  rank order.
+- The tree has parents (-1 = root), valid all true and draft_probs None: children are deterministic top-k picks,
+  so the core's acceptance rule is exact at any temperature. Scores come from the head's softmax at temperature 1.
+
+Training (`eagle3_loss`): training-time test (TTT), `ttt_steps` unrolled steps. Step 0: the pairs
+(f_t, x_{t+1}) for every column t, causal attention, output h0_t predicts x_{t+2}. Step i > 0: the pairs
+(h_{i-1} at column t, x_{t+i+1}) at RoPE position t + i; the query at column t attends to the step-0 keys of
+positions <= t plus its own column's keys of steps 1..i: exactly what a depth-i tree node sees at inference (the
+cache of the committed text plus its drafted ancestors). Loss at step i: forward KL between the draft
+distribution at column t and the target's distribution at position t + i + 1 restricted to the draft vocabulary
+(renormalised), masked by loss_mask[t + i + 1], weighted 0.8^i (the weights normalised to sum 1).
+
+`d2t` lives in the parameters (so checkpoints carry it) as float32 token ids (exact below 2^24): an all-float
+pytree trains under `jax.value_and_grad` and Optax unchanged; its gradient is zero, so AdamW (no decay on 1-D
+leaves) never moves it.
+
+EAGLE-1 and EAGLE-2 are the same module with other settings: a head on the top layer alone
+(`feature_layers: [L-1]`, fc [d -> d]) over the full vocabulary (`draft_vocab_size: 0`) is the EAGLE-1/2 head
+(without EAGLE-1's feature-regression loss); the dynamic tree is EAGLE-2's.
+
+Einsum letters: b batch, t new tokens (queries), u keys among the new or drafted tokens, s cache slots, d model
+width, e the head's input width (2d) or the fused width (n d), k key/value heads, g query heads per kv head, h head
+dim, f feed-forward width, v draft vocabulary, i earlier TTT steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import KVCache, init_cache, write_new_entries
+from jaxspec.config import ModelConfig
+from jaxspec.drafters.base import Drafter, RoundInputs
+from jaxspec.errors import UserError
+from jaxspec.losses import decay_weights, gamma_weights, masked_mean, per_position_loss
+from jaxspec.model import NEG_INF, Weights, _attention, apply_rope, causal_mask, rms_norm, rope_inverse_frequencies
+from jaxspec.tree import DraftTree
+
+# ---------------------------------------------------------------------------------------------- configuration
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """(low, mid, high) = (2, L // 2, L - 3), clipped to [0, L) and sorted: (2, 15, 27) for L = 30."""
+    return tuple(sorted(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3Config:
+    """The `drafter:` section of an EAGLE-3 training config, also stored in EAGLE-3 checkpoints.
+
+    Attributes:
+        feature_layers: target layers whose output is fused (low, mid, high); null: (2, L // 2, L - 3).
+        draft_vocab_size: Vd, the draft vocabulary (the most frequent response tokens); 0 or >= V: the whole
+            vocabulary.
+        depth: D, draft tree depth (head forwards per round: 1 on the pending pairs, then D - 1).
+        top_k: K, children per expanded node and frontier width.
+        num_nodes: N, drafted nodes verified per round (at most K + (D - 1) K^2).
+        ttt_steps: unrolled training-time-test steps.
+        init_scale: standard deviation of the head's random matrices.
+    """
+
+    feature_layers: tuple[int, ...] | None = None
+    draft_vocab_size: int = 4096
+    depth: int = 5
+    top_k: int = 4
+    num_nodes: int = 16
+    ttt_steps: int = 7
+    init_scale: float = 0.02
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.ttt_steps < 1:
+            raise UserError(f"drafter.depth, drafter.top_k and drafter.ttt_steps must be >= 1, got {self.depth}, "
+                            f"{self.top_k} and {self.ttt_steps}.")
+        pool = self.top_k + (self.depth - 1) * self.top_k ** 2
+        if not 1 <= self.num_nodes <= pool:
+            raise UserError(f"drafter.num_nodes must be between 1 and {pool} (top_k + (depth - 1) * top_k^2 "
+                            f"candidates), got {self.num_nodes}.")
+        if self.draft_vocab_size < 0:
+            raise UserError(f"drafter.draft_vocab_size must be >= 0 (0: the whole vocabulary), got "
+                            f"{self.draft_vocab_size}.")
+        if self.feature_layers is not None and not self.feature_layers:
+            raise UserError("drafter.feature_layers must name at least one target layer (or be null for the default).")
+
+    def for_target(self, target_cfg: ModelConfig) -> Eagle3Config:
+        """This config with the target-dependent defaults filled in (feature layers, Vd <= V); checks ranges."""
+        layers = self.feature_layers or default_feature_layers(target_cfg.num_layers)
+        for i in layers:
+            if not 0 <= i < target_cfg.num_layers:
+                raise UserError(f"drafter.feature_layers has layer {i}, but the target has layers 0.."
+                                f"{target_cfg.num_layers - 1}.")
+        vocab = self.draft_vocab_size
+        vocab = target_cfg.vocab_size if vocab == 0 or vocab > target_cfg.vocab_size else vocab
+        return dataclasses.replace(self, feature_layers=tuple(layers), draft_vocab_size=vocab)
+
+    def make_drafter(self) -> Eagle3Drafter:
+        if self.feature_layers is None:
+            raise ValueError("Eagle3Config.make_drafter needs concrete feature_layers; call for_target first.")
+        return Eagle3Drafter(target_layers=tuple(self.feature_layers), depth=self.depth, top_k=self.top_k,
+                             num_nodes=self.num_nodes)
+
+    def init_params(self, target_cfg: ModelConfig, target_weights: Weights, key: jax.Array | None = None,
+                    vocab_counts: np.ndarray | None = None) -> Eagle3Params:
+        """Fresh parameters. vocab_counts: int[V] response-token counts of the training data (None: all zero, so the
+        draft vocabulary is the Vd lowest ids; the shapes, all a checkpoint load needs, are the same)."""
+        cfg = self.for_target(target_cfg)
+        counts = np.zeros(target_cfg.vocab_size, np.int64) if vocab_counts is None else vocab_counts
+        d2t, _ = build_vocab_map(counts, cfg.draft_vocab_size)
+        key = jax.random.key(0) if key is None else key
+        return init_eagle3_params(target_cfg, target_weights, len(cfg.feature_layers), d2t, key, self.init_scale)
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Eagle3Params:
+    """The head's weights. n = len(feature_layers), d the target's width, Vd the draft vocabulary."""
+
+    fc: jax.Array  # [n d, d]
+    input_norm: jax.Array  # [d]
+    hidden_norm: jax.Array  # [d]
+    wq: jax.Array  # [2d, Hq, h]
+    wk: jax.Array  # [2d, Hkv, h]
+    wv: jax.Array  # [2d, Hkv, h]
+    wo: jax.Array  # [Hq, h, d]
+    mlp_norm: jax.Array  # [d]
+    w_gate: jax.Array  # [d, f]
+    w_up: jax.Array  # [d, f]
+    w_down: jax.Array  # [f, d]
+    final_norm: jax.Array  # [d]
+    lm_head: jax.Array  # [d, Vd]
+    d2t: jax.Array  # float32[Vd]: target id of each draft id (float so the pytree is all-differentiable)
+
+
+def build_vocab_map(token_counts, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The draft vocabulary: the `draft_vocab_size` most frequent tokens, most frequent first, ties by lower id.
+
+    Args:
+        token_counts: int[V], how often each target token occurs in the training responses.
+        draft_vocab_size: Vd, 1 <= Vd <= V.
+    Returns:
+        (d2t int32[Vd]: the target id of each draft id; t2d bool[V]: whether a target id is in the draft vocabulary).
+    """
+    counts = np.asarray(token_counts, np.int64)  # [V]
+    v = counts.shape[0]
+    if not 1 <= draft_vocab_size <= v:
+        raise ValueError(f"draft_vocab_size must be in [1, {v}], got {draft_vocab_size}.")
+    order = np.lexsort((np.arange(v), -counts))  # by count descending, then id ascending
+    d2t = order[:draft_vocab_size].astype(np.int32)  # [Vd]
+    t2d = np.zeros(v, np.bool_)
+    t2d[d2t] = True
+    return d2t, t2d
+
+
+def response_token_counts(dataset, vocab_size: int) -> np.ndarray:
+    """int64[V]: occurrences of every token in the responses (not the prompts) of a `RegeneratedDataset`."""
+    counts = np.zeros(vocab_size, np.int64)
+    for i in range(dataset.num_samples):
+        response = dataset.sample(i)[int(dataset.prompt_lengths[i]):]  # [n_i]
+        response = response[(response >= 0) & (response < vocab_size)]
+        counts += np.bincount(response, minlength=vocab_size)
+    return counts
+
+
+def init_eagle3_params(target_cfg: ModelConfig, target_weights: Weights, num_features: int, d2t: np.ndarray,
+                       key: jax.Array, scale: float = 0.02, dtype=jnp.float32) -> Eagle3Params:
+    """Random matrices (normal(0, scale)), norms at 1; the final norm and LM head start as the target's (the LM head
+    restricted to the draft vocabulary's columns), so the output layer starts in the target's token space."""
+    d, f, h = target_cfg.hidden_size, target_cfg.intermediate_size, target_cfg.head_dim
+    hq, hk = target_cfg.num_heads, target_cfg.num_kv_heads
+    keys = iter(jax.random.split(key, 8))
+
+    def normal(*shape):
+        return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    shared = target_weights.embed.T if target_weights.lm_head is None else target_weights.lm_head  # [d, V]
+    d2t = jnp.asarray(d2t, jnp.int32)  # [Vd]
+    return Eagle3Params(
+        fc=normal(num_features * d, d), input_norm=jnp.ones((d,), dtype), hidden_norm=jnp.ones((d,), dtype),
+        wq=normal(2 * d, hq, h), wk=normal(2 * d, hk, h), wv=normal(2 * d, hk, h), wo=normal(hq, h, d),
+        mlp_norm=jnp.ones((d,), dtype), w_gate=normal(d, f), w_up=normal(d, f), w_down=normal(f, d),
+        final_norm=jnp.asarray(target_weights.final_norm, dtype), lm_head=jnp.take(shared, d2t, axis=1).astype(dtype),
+        d2t=d2t.astype(jnp.float32),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the head
+
+
+def draft_to_target(params: Eagle3Params) -> jax.Array:
+    """int32[Vd]: the target id of each draft id."""
+    return jnp.round(jax.lax.stop_gradient(params.d2t)).astype(jnp.int32)
+
+
+def target_to_draft_mask(params: Eagle3Params, vocab_size: int) -> jax.Array:
+    """t2d, bool[V]: which target ids the draft vocabulary holds."""
+    return jnp.zeros((vocab_size,), jnp.bool_).at[draft_to_target(params)].set(True)
+
+
+def to_target_logits(params: Eagle3Params, draft_logits: jax.Array, vocab_size: int) -> jax.Array:
+    """draft_logits: [..., Vd] -> [..., V] over target ids, -inf where the draft vocabulary has no token."""
+    full = jnp.full((*draft_logits.shape[:-1], vocab_size), -jnp.inf, draft_logits.dtype)
+    return full.at[..., draft_to_target(params)].set(draft_logits)
+
+
+def fuse_features(params: Eagle3Params, hidden: jax.Array) -> jax.Array:
+    """hidden: [n, ..., d], the target's residual stream after each feature layer -> fused [..., d]."""
+    x = jnp.moveaxis(hidden, 0, -2)  # [..., n, d]
+    x = x.reshape(*x.shape[:-2], -1).astype(params.fc.dtype)  # [..., n d]
+    return jnp.einsum("...e,ed->...d", x, params.fc)
+
+
+def _project(params: Eagle3Params, cfg: ModelConfig, emb: jax.Array, feat: jax.Array, positions: jax.Array):
+    """emb, feat: [B, T, d]; positions: int32[B, T] -> q [B, T, Hq, h], k, v [B, T, Hkv, h] (RoPE applied)."""
+    eps = cfg.rms_norm_eps
+    x = jnp.concatenate([rms_norm(emb.astype(feat.dtype), params.input_norm, eps),
+                         rms_norm(feat, params.hidden_norm, eps)], axis=-1)  # [B, T, 2d]
+    q = jnp.einsum("bte,enh->btnh", x, params.wq)
+    k = jnp.einsum("bte,ekh->btkh", x, params.wk)
+    v = jnp.einsum("bte,ekh->btkh", x, params.wv)
+    inv_freq = rope_inverse_frequencies(cfg)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _finish(params: Eagle3Params, cfg: ModelConfig, feat: jax.Array, attn: jax.Array) -> jax.Array:
+    """feat: [B, T, d] residual stream; attn: [B, T, Hq, h] -> the layer's output h [B, T, d]."""
+    x = feat + jnp.einsum("btnh,nhd->btd", attn, params.wo)
+    hx = rms_norm(x, params.mlp_norm, cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", hx, params.w_gate)
+    up = jnp.einsum("btd,df->btf", hx, params.w_up)
+    return x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, params.w_down)
+
+
+def head_logits(params: Eagle3Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """h: [..., d] the head's output -> float32 draft logits [..., Vd]."""
+    x = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+    return jnp.einsum("...d,dv->...v", x, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def head_forward(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, tokens: jax.Array, feats: jax.Array,
+                 positions: jax.Array, cache: KVCache | None = None, mask: jax.Array | None = None):
+    """The head on T new pairs (feature, token), attending to the committed cache slots plus each other.
+
+    Args:
+        embed: [V, d] the target's embedding; tokens: int32[B, T] target ids; feats: [B, T, d]; positions: int32[B, T].
+        cache: the head's cache (k, v [1, B, Hkv, S, h]); its slots [0, lengths) are visible. None: no context.
+        mask: bool[B, T, T] among the new pairs (default causal).
+    Returns:
+        (h [B, T, d], k [B, T, Hkv, h], v [B, T, Hkv, h]).
+    """
+    b, t = tokens.shape
+    mask = causal_mask(b, t) if mask is None else mask
+    q, k, v = _project(params, cfg, jnp.take(embed, tokens, axis=0), feats, positions)
+    if cache is None:
+        attn = _attention(q, k, v, None, None, None, mask)
+    else:
+        attn = _attention(q, k, v, cache.k[0], cache.v[0], cache.lengths, mask)
+    return _finish(params, cfg, feats, attn), k, v
+
+
+# ---------------------------------------------------------------------------------------------- the draft tree
+
+
+def select_nodes(pool_scores: jax.Array, pool_parents: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
+    """The best `num_nodes` pool nodes by score, ties to the lower pool index, in pool order.
+
+    When every child scores at most its parent and parents have lower pool indices, the kept set is
+    ancestor-closed and pool order puts parents before children.
+
+    Args:
+        pool_scores: float32[B, M]; pool_parents: int32[B, M], the parent's pool index (-1 = root).
+    Returns:
+        (keep int32[B, N]: pool indices, ascending; parents int32[B, N]: indices into `keep`, -1 = root).
+    """
+    m = pool_scores.shape[1]
+    best = jnp.argsort(-pool_scores, axis=-1, stable=True)[:, :num_nodes]  # [B, N]
+    keep = jnp.sort(best, axis=-1).astype(jnp.int32)  # [B, N]
+    slot_of = jax.vmap(lambda k: jnp.full((m,), -1, jnp.int32).at[k].set(jnp.arange(num_nodes, dtype=jnp.int32)))(
+        keep)  # [B, M]: position in `keep` of each pool node, -1 if dropped
+    parent = jnp.take_along_axis(pool_parents, keep, axis=1)  # [B, N]
+    parents = jnp.where(parent < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(parent, 0), axis=1))
+    return keep, parents
+
+
+def expand_pool(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: KVCache, h_root: jax.Array,
+                depth: int, top_k: int):
+    """EAGLE-2's expansion: the candidate pool of a dynamic tree.
+
+    Args:
+        embed: [V, d]; cache: the head's cache with lengths = L (the root's position); h_root: [B, d], the head's
+            output at the last committed pair (its logits give the root's children).
+    Returns:
+        (pool tokens int32[B, M] in target ids, pool parents int32[B, M] (pool index, -1 = root), pool scores
+        float32[B, M] cumulative log-probs), M = K + (D - 1) K^2; depth d's candidates follow depth d - 1's.
+    """
+    b, _ = h_root.shape
+    kk = top_k
+    fed = max((depth - 1) * kk, 1)  # buffer slots of the nodes the head runs on
+    m = kk + (depth - 1) * kk * kk
+    d2t = draft_to_target(params)  # [Vd]
+    lengths = cache.lengths  # [B]
+    scores, ids = jax.lax.top_k(jax.nn.log_softmax(head_logits(params, cfg, h_root), axis=-1), kk)  # [B, K]
+    pool_scores = jnp.full((b, m), -jnp.inf, jnp.float32).at[:, :kk].set(scores)  # [B, M]
+    pool_ids = jnp.zeros((b, m), jnp.int32).at[:, :kk].set(ids)  # [B, M] draft ids
+    pool_parents = jnp.full((b, m), -1, jnp.int32)  # [B, M]
+    if depth > 1:
+        slots = jnp.arange(kk)
+        hkv, hd = cfg.num_kv_heads, cfg.head_dim
+        carry = dict(
+            ids=ids, scores=scores,  # [B, K] the frontier's draft ids and scores
+            feats=jnp.broadcast_to(h_root[:, None], (b, kk, h_root.shape[-1])),  # [B, K, d] its parents' outputs
+            index=jnp.broadcast_to(slots, (b, kk)).astype(jnp.int32),  # [B, K] its pool indices
+            ancestors=jnp.broadcast_to(jax.nn.one_hot(slots, fed, dtype=jnp.bool_), (b, kk, fed)),  # [B, K, F]
+            buf_k=jnp.zeros((b, fed, hkv, hd), params.wk.dtype), buf_v=jnp.zeros((b, fed, hkv, hd), params.wv.dtype),
+            pool_scores=pool_scores, pool_ids=pool_ids, pool_parents=pool_parents,
+        )
+
+        def grow(c, j):  # feeds the frontier (depth j + 1, fed slots j K ..) at position L + j
+            positions = jnp.broadcast_to(lengths[:, None] + j, (b, kk))  # [B, K]
+            q, k, v = _project(params, cfg, jnp.take(embed, d2t[c["ids"]], axis=0), c["feats"], positions)
+            buf_k = jax.lax.dynamic_update_slice(c["buf_k"], k.astype(c["buf_k"].dtype), (0, j * kk, 0, 0))
+            buf_v = jax.lax.dynamic_update_slice(c["buf_v"], v.astype(c["buf_v"].dtype), (0, j * kk, 0, 0))
+            attn = _attention(q, buf_k, buf_v, cache.k[0], cache.v[0], lengths, c["ancestors"])  # [B, K, Hq, h]
+            h = _finish(params, cfg, c["feats"], attn)  # [B, K, d]
+            child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(head_logits(params, cfg, h), -1), kk)
+            cum = (c["scores"][:, :, None] + child_scores).reshape(b, kk * kk)  # [B, K K]
+            child_ids = child_ids.reshape(b, kk * kk).astype(jnp.int32)  # [B, K K]
+            offset = kk + j * kk * kk
+            pool_scores = jax.lax.dynamic_update_slice(c["pool_scores"], cum, (0, offset))
+            pool_ids = jax.lax.dynamic_update_slice(c["pool_ids"], child_ids, (0, offset))
+            pool_parents = jax.lax.dynamic_update_slice(c["pool_parents"], jnp.repeat(c["index"], kk, axis=1),
+                                                        (0, offset))
+            best_scores, best = jax.lax.top_k(cum, kk)  # [B, K] the next frontier
+            parent_slot = best // kk  # [B, K]
+            ancestors = jnp.take_along_axis(c["ancestors"], parent_slot[:, :, None], axis=1)  # [B, K, F]
+            ancestors = ancestors | jax.nn.one_hot((j + 1) * kk + slots, fed, dtype=jnp.bool_)[None]
+            return dict(ids=jnp.take_along_axis(child_ids, best, axis=1), scores=best_scores,
+                        feats=jnp.take_along_axis(h, parent_slot[:, :, None], axis=1),
+                        index=(offset + best).astype(jnp.int32), ancestors=ancestors, buf_k=buf_k, buf_v=buf_v,
+                        pool_scores=pool_scores, pool_ids=pool_ids, pool_parents=pool_parents), None
+
+        carry, _ = jax.lax.scan(grow, carry, jnp.arange(depth - 1))
+        pool_scores, pool_ids, pool_parents = carry["pool_scores"], carry["pool_ids"], carry["pool_parents"]
+    return d2t[pool_ids], pool_parents, pool_scores
+
+
+def draft_tree(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: KVCache, h_root: jax.Array, *,
+               depth: int, top_k: int, num_nodes: int) -> tuple[DraftTree, jax.Array]:
+    """The dynamic tree of one round: `expand_pool`, then the best `num_nodes` nodes (`select_nodes`).
+
+    Returns (DraftTree with T = num_nodes, draft_probs None; scores float32[B, T], each node's cumulative log-prob).
+    """
+    tokens, parents, scores = expand_pool(params, cfg, embed, cache, h_root, depth, top_k)  # [B, M] each
+    keep, tree_parents = select_nodes(scores, parents, num_nodes)  # [B, N]
+    tree = DraftTree(tokens=jnp.take_along_axis(tokens, keep, axis=1), parents=tree_parents,
+                     valid=jnp.ones(keep.shape, jnp.bool_))
+    return tree, jnp.take_along_axis(scores, keep, axis=1)
+
+
+# ---------------------------------------------------------------------------------------------- the drafter
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Eagle3State:
+    """cache: the head's KVCache (k, v [1, B, Hkv, S, h], lengths [B]: where the pending pairs start);
+    pending: [B, T+1, d] fused target features of the last round's committed tokens (the first L - lengths valid);
+    prompt: [B, P, d] fused features of the prompt (absorbed by the first round); first: bool[], the first round."""
+
+    cache: KVCache
+    pending: jax.Array  # [B, T+1, d]
+    prompt: jax.Array  # [B, P, d]
+    first: jax.Array  # bool[]
+
+
+def absorb_pairs(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: KVCache, feats: jax.Array,
+                 history: jax.Array, lengths: jax.Array) -> tuple[KVCache, jax.Array]:
+    """Runs the head on the pending pairs and caches them.
+
+    The pairs sit at positions cache.lengths + i, with features feats[:, i] and tokens history[pos + 1]; those
+    before `lengths` (the target's committed length) are valid.
+
+    Args:
+        cache: the head's cache; feats: [B, W, d]; history: int32[B, S]; lengths: int32[B].
+    Returns:
+        (the cache with the pairs written and lengths = `lengths`, h_root [B, d]: the output at the last valid pair).
+    """
+    b, w, _ = feats.shape
+    start = cache.lengths  # [B]
+    positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)  # [B, W]
+    tokens = jnp.take_along_axis(history, jnp.clip(positions + 1, 0, history.shape[1] - 1), axis=1)  # [B, W]
+    h, k, v = head_forward(params, cfg, embed, tokens, feats, positions, cache)  # [B, W, d], [B, W, Hkv, h] x2
+    cache = write_new_entries(cache, k.transpose(0, 2, 1, 3)[None], v.transpose(0, 2, 1, 3)[None])
+    last = jnp.clip(lengths - start - 1, 0, w - 1)  # [B]
+    h_root = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, d]
+    return dataclasses.replace(cache, lengths=lengths), h_root
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3Drafter(Drafter):
+    """params: Eagle3Params; state: Eagle3State. `target_layers` are the feature layers."""
+
+    depth: int = 5
+    top_k: int = 4
+    num_nodes: int = 16
+    name: str = "eagle3"
+
+    def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
+        b = prompt_tokens.shape[0]
+        prompt = fuse_features(params, prefill_out.hidden)  # [B, P, d]
+        cache = init_cache(target_cfg, b, cache_size, params.wk.dtype, num_layers=1)
+        return Eagle3State(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
+                           prompt=prompt, first=jnp.array(True))
+
+    def propose(self, params, state: Eagle3State, inputs: RoundInputs, target_cfg, sampling, rng):
+        embed = inputs.target_weights.embed
+
+        def absorb(feats):
+            return absorb_pairs(params, target_cfg, embed, state.cache, feats, inputs.history, inputs.lengths)
+
+        with jax.named_scope("eagle_absorb"):
+            cache, h_root = jax.lax.cond(state.first, lambda: absorb(state.prompt), lambda: absorb(state.pending))
+        with jax.named_scope("eagle_tree"):
+            tree, _ = draft_tree(params, target_cfg, embed, cache, h_root, depth=self.depth, top_k=self.top_k,
+                                 num_nodes=self.num_nodes)
+        return tree, dataclasses.replace(state, cache=cache, first=jnp.array(False)), inputs.target_cache
+
+    def update(self, params, state: Eagle3State, inputs, verification, acceptance):
+        path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
+        hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
+        return dataclasses.replace(state, pending=fuse_features(params, hidden).astype(state.pending.dtype))
+
+    def check_compatible(self, params, target_cfg, target_tokenizer=None):
+        d = target_cfg.hidden_size
+        if params.fc.shape != (len(self.target_layers) * d, d):
+            raise UserError(f"This EAGLE-3 head fuses {params.fc.shape[0] // max(params.fc.shape[1], 1)} layers of "
+                            f"width {params.fc.shape[1]}, which does not fit this target (width {d}).")
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def _shift(x: jax.Array, k: int, fill) -> jax.Array:
+    """x: [B, S, ...] -> x[:, k:] padded at the end with `fill` back to S columns."""
+    pad = jnp.full((x.shape[0], min(k, x.shape[1]), *x.shape[2:]), fill, x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)
+
+
+def _ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, own_k: jax.Array | None, own_v: jax.Array | None):
+    """Step i's attention: column t sees the step-0 keys of columns <= t and its own keys of steps 1..i.
+
+    q: [B, S, Hq, h]; k0, v0: [B, S, Hkv, h]; own_k, own_v: [B, S, i, Hkv, h] or None (step 0). -> [B, S, Hq, h].
+    """
+    b, s, hq, h = q.shape
+    hkv = k0.shape[2]
+    q = q.reshape(b, s, hkv, hq // hkv, h) * (1.0 / math.sqrt(h))  # [b, t, k, g, h]
+    scores = jnp.einsum("btkgh,bukh->bkgtu", q, k0, preferred_element_type=jnp.float32)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), jnp.bool_)), scores, NEG_INF)  # [b, k, g, t, u]
+    if own_k is not None:
+        own = jnp.einsum("btkgh,btikh->bkgti", q, own_k, preferred_element_type=jnp.float32)  # [b, k, g, t, i]
+        scores = jnp.concatenate([scores, own], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgtu,bukh->btkgh", probs[..., :s].astype(v0.dtype), v0)
+    if own_v is not None:
+        out = out + jnp.einsum("bkgti,btikh->btkgh", probs[..., s:].astype(own_v.dtype), own_v)
+    return out.reshape(b, s, hq, h)
+
+
+def ttt_logits(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, tokens: jax.Array, feats: jax.Array,
+               steps: int) -> list[jax.Array]:
+    """The unrolled head on whole sequences (training-time test).
+
+    Args:
+        embed: [V, d]; tokens: int32[B, S]; feats: [B, S, d] fused target features; steps: unrolled steps.
+    Returns:
+        `steps` draft logits [B, S, Vd]; step i at column t predicts token t + i + 2 from the head's own outputs of
+        steps < i (the target's feature only at step 0).
+    """
+    b, s = tokens.shape
+    columns = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
+    h = feats  # [B, S, d]
+    k0 = v0 = None
+    own_k, own_v, out = [], [], []
+    for i in range(steps):
+        emb = jnp.take(embed, _shift(tokens, i + 1, 0), axis=0)  # [B, S, d]: token t + i + 1
+        q, k, v = _project(params, cfg, emb, h, columns + i)
+        if i == 0:
+            k0, v0 = k, v
+            attn = _ttt_attention(q, k0, v0, None, None)
+        else:
+            own_k.append(k)
+            own_v.append(v)
+            attn = _ttt_attention(q, k0, v0, jnp.stack(own_k, axis=2), jnp.stack(own_v, axis=2))
+        h = _finish(params, cfg, h, attn)
+        out.append(head_logits(params, cfg, h))
+    return out
+
+
+def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: ModelConfig, tokens: jax.Array,
+                hidden: jax.Array, target_logits: jax.Array, loss_mask: jax.Array, *, steps: int,
+                kind: str = "forward_kl", decay: float | None = 0.8, gamma: float | None = None):
+    """The TTT distillation loss on a batch of sequences.
+
+    Args:
+        tokens: int32[B, S]; hidden: [n, B, S, d] the target's feature layers; target_logits: [B, S, V];
+        loss_mask: bool[B, S] (True at t when token t + 1 is a response token).
+        steps: unrolled steps; kind: see `jaxspec.losses`; decay / gamma: step weights decay^i or exp(-gamma i).
+    Returns:
+        (loss, metrics: loss_step{i} and acc_step{i}, the draft argmax (as a target id) equal to the target's).
+    """
+    d2t = draft_to_target(params)  # [Vd]
+    target_logits = jax.lax.stop_gradient(target_logits)
+    restricted = jnp.take(target_logits, d2t, axis=-1)  # [B, S, Vd]: renormalised by the loss's softmax
+    target_best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, S]
+    logits = ttt_logits(params, target_cfg, target_weights.embed, tokens, fuse_features(params, hidden), steps)
+    losses, metrics = [], {}
+    for i, step_logits in enumerate(logits):
+        mask = _shift(loss_mask, i + 1, False)  # [B, S]: loss_mask[t + i + 1]
+        losses.append(masked_mean(per_position_loss(kind, step_logits, _shift(restricted, i + 1, 0.0)), mask))
+        hit = d2t[jnp.argmax(step_logits, axis=-1)] == _shift(target_best, i + 1, -1)  # [B, S]
+        metrics[f"loss_step{i}"] = losses[-1]
+        metrics[f"acc_step{i}"] = masked_mean(hit.astype(jnp.float32), mask)
+    decay = 0.8 if decay is None else decay
+    weights = gamma_weights(steps, gamma) if gamma is not None else decay_weights(steps, decay)  # [steps]
+    return jnp.sum(weights * jnp.stack(losses)) / jnp.sum(weights), metrics
+
+
+def eagle3_training_loss(params, mcfg: Eagle3Config, target_weights, target_cfg, features, loss_mask, loss_cfg,
+                         key) -> tuple[jax.Array, dict[str, Any]]:
+    """`eagle3_loss` with the training loop's `Trainable.loss` signature (features need tokens, hidden, logits)."""
+    return eagle3_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.logits,
+                       loss_mask, steps=mcfg.ttt_steps, kind=loss_cfg.kind, decay=loss_cfg.position_decay,
+                       gamma=loss_cfg.gamma)

@@ -1,0 +1,335 @@
+"""EAGLE-3 with EAGLE-2 dynamic trees (jaxspec/drafters/eagle.py) on the tiny Llama-3: greedy output equals
+autoregressive, the head's cache after rounds equals the head run over the committed text, dynamic trees are
+ancestor-closed with parents first and match an independent path-by-path recomputation, the draft vocabulary map,
+training-time test equals a manual unroll through the inference path, and training lowers the loss."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fixture_path
+
+from jaxspec.cache import KVCache, commit_positions, init_cache
+from jaxspec.drafters import RoundInputs
+from jaxspec.drafters.eagle import (
+    Eagle3Config,
+    absorb_pairs,
+    build_vocab_map,
+    draft_to_target,
+    draft_tree,
+    expand_pool,
+    fuse_features,
+    head_forward,
+    head_logits,
+    select_nodes,
+    target_to_draft_mask,
+    to_target_logits,
+    ttt_logits,
+)
+from jaxspec.generate import generate, prefill
+from jaxspec.model import forward
+from jaxspec.sampling import GREEDY, target_probs
+from jaxspec.speculative import speculative_generate
+from jaxspec.tree import DraftTree, chain_parents
+from jaxspec.verification import accept, verify_forward
+
+TINY = fixture_path("tiny-llama3")
+
+
+def _prompts(ref):
+    ids = ref["input_ids"]
+    return [ids[0, :5].tolist(), ids[1, :17].tolist(), ids[0, 3:40].tolist()]
+
+
+def _head(model, scale=0.3, vocab=128, **tree):
+    """A random (non-zero) head over a reduced vocabulary of `vocab` of the 256 tokens, and its config."""
+    cfg = Eagle3Config(draft_vocab_size=vocab, init_scale=scale, **{"depth": 3, "top_k": 3, "num_nodes": 8, **tree})
+    cfg = cfg.for_target(model.config)
+    counts = np.random.default_rng(0).integers(0, 50, model.config.vocab_size)
+    return cfg, cfg.init_params(model.config, model.weights, jax.random.key(7), counts)
+
+
+def test_greedy_equals_autoregressive(tiny_llama3):
+    _, model, ref = tiny_llama3
+    prompts = _prompts(ref)
+    cfg, params = _head(model)
+    drafter = cfg.make_drafter()
+    assert drafter.target_layers == (0, 1, 2) and drafter.num_nodes == 8
+    for batch in (prompts[:1], prompts):  # batch 1, and 3 rows of different lengths
+        expected = generate(model.weights, model.config, batch, max_new_tokens=24, eos_ids=()).token_ids
+        result = speculative_generate(model.weights, model.config, drafter, params, batch, max_new_tokens=24,
+                                      eos_ids=())
+        assert result.token_ids == expected
+        assert all(1 <= r <= 24 for r in result.rounds)
+
+
+def test_untrained_method_from_the_registry(tiny_llama3):
+    from jaxspec.methods import LEARNED_METHODS, METHODS, MethodOptions, build_method
+
+    _, model, ref = tiny_llama3
+    assert "eagle3" in METHODS and "eagle3" in LEARNED_METHODS
+    method = build_method("eagle3", model, MethodOptions(drafter="untrained"))
+    batch = _prompts(ref)[1:]
+    expected = generate(model.weights, model.config, batch, max_new_tokens=12, eos_ids=()).token_ids
+    assert method.generate(batch, max_new_tokens=12, eos_ids=()).token_ids == expected
+
+
+def _scratch_pairs(params, model, drafter, committed):
+    """The head run over a committed text (prompt, then accepted tokens, then the root) in one causal forward:
+    (h [1, L, d], k [1, L, Hkv, h]) for the pairs (f_t, x_{t+1}), t < L."""
+    ids = jnp.asarray([committed], jnp.int32)  # [1, L + 1]
+    n = ids.shape[1] - 1
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    out = forward(model.weights, model.config, ids[:, :n], positions, hidden_layers=drafter.target_layers)
+    feats = fuse_features(params, out.hidden)  # [1, L, d]
+    h, k, _ = head_forward(params, model.config, model.weights.embed, ids[:, 1:], feats, positions)
+    return h, k
+
+
+def test_head_cache_after_rounds_equals_the_head_over_the_committed_text(tiny_llama3):
+    """Rounds by hand with trees that force different accepted lengths per row (chains whose first a tokens are
+    the target's greedy continuation): after each round the head's cache [0, L) and its next tree are those of
+    running the head over the whole committed text from scratch."""
+    _, model, ref = tiny_llama3
+    cfg_t, w = model.config, model.weights
+    cfg, params = _head(model)
+    drafter = cfg.make_drafter()
+    t = drafter.num_nodes
+    prompts = [ref["input_ids"][0, :9].tolist(), ref["input_ids"][1, :6].tolist()]
+    greedy = generate(w, cfg_t, prompts, max_new_tokens=40, eos_ids=()).token_ids  # [2][40], the first is the root
+    lengths = jnp.array([9, 6], jnp.int32)
+    tokens = jnp.asarray([prompts[0], prompts[1] + [0, 0, 0]], jnp.int32)
+    size = 64
+    cache = init_cache(cfg_t, 2, size)
+    logits, out, cache = prefill(w, cfg_t, tokens, lengths, cache, hidden_layers=drafter.target_layers)
+    root = jnp.argmax(logits, -1).astype(jnp.int32)
+    history = jnp.zeros((2, size), jnp.int32).at[:, :9].set(tokens).at[jnp.arange(2), lengths].set(root)
+    state = drafter.init(params, cfg_t, tokens, lengths, out, size, GREEDY)
+    done = [0, 0]  # generated tokens before the root, per row
+    for forced in ([3, 0], [0, 8], [8, 5], [1, 2]):
+        inputs = RoundInputs(target_weights=w, target_cache=cache, history=history, lengths=cache.lengths, root=root)
+        tree, state, cache = drafter.propose(params, state, inputs, cfg_t, GREEDY, jax.random.key(0))
+        for row in range(2):  # the head's cache and tree equal the head run over the committed text
+            n = int(cache.lengths[row])
+            committed = prompts[row] + greedy[row][: done[row] + 1]
+            assert len(committed) == n + 1 and int(state.cache.lengths[row]) == n
+            h, k = _scratch_pairs(params, model, drafter, committed)
+            np.testing.assert_allclose(np.asarray(state.cache.k[0, row, :, :n]), np.asarray(k[0].transpose(1, 0, 2)),
+                                       rtol=2e-4, atol=2e-5)
+            one = KVCache(k=state.cache.k[:, row:row + 1], v=state.cache.v[:, row:row + 1], lengths=jnp.array([n]))
+            scratch, _ = draft_tree(params, cfg_t, w.embed, one, h[:, -1], depth=3, top_k=3, num_nodes=t)
+            np.testing.assert_array_equal(np.asarray(scratch.tokens[0]), np.asarray(tree.tokens[row]))
+            np.testing.assert_array_equal(np.asarray(scratch.parents[0]), np.asarray(tree.parents[row]))
+        # a chain whose first `forced[row]` tokens are right, the rest wrong
+        chain = np.zeros((2, t), np.int32)
+        for row in range(2):
+            right = np.asarray(greedy[row][done[row] + 1: done[row] + 1 + t])
+            chain[row] = np.where(np.arange(t) < forced[row], right, (right + 1) % cfg_t.vocab_size)
+        forced_tree = DraftTree(tokens=jnp.asarray(chain), parents=jnp.broadcast_to(jnp.asarray(chain_parents(t)),
+                                (2, t)), valid=jnp.ones((2, t), bool))
+        verification = verify_forward(w, cfg_t, cache, root, forced_tree, drafter.target_layers)
+        acc = accept(forced_tree, target_probs(verification.logits, GREEDY), jnp.zeros((2, t)), jnp.zeros(2))
+        assert acc.num_accepted.tolist() == forced
+        start = cache.lengths
+        cache = commit_positions(verification.cache, acc.path, acc.num_accepted + 1)
+        for row in range(2):
+            new = acc.tokens[row, : forced[row] + 1]
+            history = history.at[row, int(start[row]) + 1: int(start[row]) + 2 + forced[row]].set(new)
+            done[row] += forced[row] + 1
+        state = drafter.update(params, state, inputs, dataclasses.replace(verification, cache=None), acc)
+        root = acc.bonus
+
+
+def test_select_nodes_is_ancestor_closed_with_parents_first():
+    """Random pools shaped like EAGLE-2's (children score at most their parent, many exact ties, zero log-probs):
+    the kept nodes are the best N by score, every kept node's parent is kept and comes before it."""
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        k, depth = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        m = k + (depth - 1) * k * k
+        parents, scores = np.full(m, -1), np.zeros(m)
+        scores[:k] = -rng.integers(0, 3, k)  # integer log-probs: ties everywhere, some exactly 0
+        frontier = np.arange(k)
+        for j in range(depth - 1):
+            offset = k + j * k * k
+            for f, node in enumerate(frontier):
+                for c in range(k):
+                    parents[offset + f * k + c] = node
+                    scores[offset + f * k + c] = scores[node] - rng.integers(0, 2)
+            frontier = offset + np.argsort(-scores[offset: offset + k * k], kind="stable")[:k]
+        n = int(rng.integers(1, m + 1))
+        keep, tree_parents = select_nodes(jnp.asarray(scores[None], jnp.float32), jnp.asarray(parents[None]), n)
+        keep, tree_parents = np.asarray(keep[0]), np.asarray(tree_parents[0])
+        assert np.all(np.diff(keep) > 0)
+        assert np.all(tree_parents < np.arange(n)), (trial, tree_parents)
+        for j in range(n):  # the tree's parent is the pool parent
+            expect = parents[keep[j]]
+            assert (tree_parents[j] == -1 and expect == -1) or keep[tree_parents[j]] == expect
+        assert sorted(scores[keep]) == sorted(np.sort(scores)[::-1][:n])
+
+
+def test_dynamic_tree_matches_an_independent_path_recomputation(tiny_llama3):
+    """For every node of a real drafted tree: its parent comes first, its token is among its parent's top-K draft
+    tokens, and its score equals the sum of log-probs along its path when the head is run on that path alone (a
+    causal chain over the committed cache); the kept nodes are the best N of the whole pool."""
+    _, model, ref = tiny_llama3
+    cfg_t, w = model.config, model.weights
+    cfg, params = _head(model, scale=0.5, depth=4, top_k=3, num_nodes=12)
+    drafter = cfg.make_drafter()
+    prompt = ref["input_ids"][0, :11].tolist()
+    committed = prompt + [7]
+    h, _ = _scratch_pairs(params, model, drafter, committed)
+    n = len(prompt)
+    out = forward(w, cfg_t, jnp.asarray([prompt]), jnp.arange(n)[None], hidden_layers=drafter.target_layers)
+    feats = fuse_features(params, out.hidden)
+    cache = init_cache(cfg_t, 1, 32, num_layers=1)
+    cache, h_root = absorb_pairs(params, cfg_t, w.embed, cache, jnp.pad(feats, ((0, 0), (0, 32 - n), (0, 0))),
+                                 jnp.pad(jnp.asarray([committed]), ((0, 0), (0, 32 - n - 1))), jnp.array([n]))
+    np.testing.assert_allclose(np.asarray(h_root), np.asarray(h[:, -1]), rtol=1e-4, atol=1e-5)
+    tree, scores = draft_tree(params, cfg_t, w.embed, cache, h_root, depth=4, top_k=3, num_nodes=12)
+    pool_tokens, pool_parents, pool_scores = expand_pool(params, cfg_t, w.embed, cache, h_root, 4, 3)
+    np.testing.assert_allclose(np.sort(np.asarray(scores[0])), np.sort(np.asarray(pool_scores[0]))[-12:], rtol=1e-6)
+    tokens, parents, scores = (np.asarray(x[0]) for x in (tree.tokens, tree.parents, scores))
+    d2t = np.asarray(draft_to_target(params))
+    depths = []
+    for j in range(12):
+        assert parents[j] < j
+        path, node = [], j
+        while node >= 0:
+            path.append(int(tokens[node]))
+            node = parents[node]
+        path = path[::-1]
+        depths.append(len(path))
+        # the head on this path alone: feed (h_root, y1), (h1, y2), ... causally over the cache
+        feats_chain, total, h_prev = [h_root[:, None]], 0.0, h_root
+        logp = jax.nn.log_softmax(head_logits(params, cfg_t, h_prev), -1)[0]  # [Vd]
+        for i, y in enumerate(path):
+            top = d2t[np.argsort(-np.asarray(logp), kind="stable")[:3]]
+            assert y in top  # one of the parent's top-K
+            total += float(logp[np.where(d2t == y)[0][0]])
+            if i + 1 < len(path):
+                chain = jnp.asarray([path[: i + 1]], jnp.int32)
+                positions = n + jnp.arange(i + 1)[None]
+                hs, _, _ = head_forward(params, cfg_t, w.embed, chain, jnp.concatenate(feats_chain, 1), positions,
+                                        cache)
+                feats_chain.append(hs[:, -1:])
+                logp = jax.nn.log_softmax(head_logits(params, cfg_t, hs[:, -1]), -1)[0]
+        np.testing.assert_allclose(scores[j], total, rtol=1e-4, atol=1e-4)
+    assert max(depths) >= 2  # the tree goes deeper than the root's children
+    for j in range(12):  # siblings are distinct tokens
+        siblings = [tokens[i] for i in range(12) if parents[i] == parents[j]]
+        assert len(set(siblings)) == len(siblings)
+
+
+def test_vocab_map():
+    counts = np.array([5, 0, 9, 5, 1, 9, 0, 2])
+    d2t, t2d = build_vocab_map(counts, 5)
+    assert d2t.tolist() == [2, 5, 0, 3, 7]  # by count, ties by id
+    assert t2d.tolist() == [True, False, True, True, False, True, False, True]
+    assert np.all(t2d[d2t]) and t2d.sum() == 5 and len(set(d2t.tolist())) == 5
+    whole, all_in = build_vocab_map(counts, 8)
+    assert sorted(whole.tolist()) == list(range(8)) and all_in.all()
+    with pytest.raises(ValueError):
+        build_vocab_map(counts, 9)
+    # in the parameters: float-stored ids round-trip; draft logits scatter to their target ids, -inf elsewhere
+    from jaxspec import load_model
+
+    model = load_model(TINY)
+    params = Eagle3Config(draft_vocab_size=5).init_params(model.config, model.weights, jax.random.key(0),
+                                                          np.pad(counts, (0, 248)))
+    assert np.asarray(draft_to_target(params)).tolist() == [2, 5, 0, 3, 7]
+    assert np.asarray(target_to_draft_mask(params, 256))[:8].tolist() == t2d.tolist()
+    full = np.asarray(to_target_logits(params, jnp.arange(5.0)[None], 256))[0]
+    assert full[[2, 5, 0, 3, 7]].tolist() == [0, 1, 2, 3, 4] and np.isneginf(np.delete(full, [2, 5, 0, 3, 7])).all()
+    # the LM head starts as the target's columns of those tokens
+    np.testing.assert_array_equal(np.asarray(params.lm_head), np.asarray(model.weights.lm_head)[:, [2, 5, 0, 3, 7]])
+
+
+def test_training_time_test_equals_a_manual_unroll(tiny_llama3):
+    """TTT step i at column t equals the inference path: the head on pairs 0..t (causal), then a chain of i drafted
+    nodes fed with the head's own outputs over that cache. Step 1 is not teacher-forced (it differs from feeding
+    the target's own feature of the next position)."""
+    _, model, ref = tiny_llama3
+    cfg_t, w = model.config, model.weights
+    cfg, params = _head(model, scale=0.5)
+    drafter = cfg.make_drafter()
+    s, steps = 14, 4
+    tokens = jnp.asarray(ref["input_ids"][:1, :s], jnp.int32)
+    out = forward(w, cfg_t, tokens, jnp.arange(s)[None], hidden_layers=drafter.target_layers)
+    feats = fuse_features(params, out.hidden)  # [1, S, d]
+    logits = ttt_logits(params, cfg_t, w.embed, tokens, feats, steps)
+    for t in (0, 3, 8):
+        h0, k0, v0 = head_forward(params, cfg_t, w.embed, tokens[:, 1: t + 2], feats[:, : t + 1],
+                                  jnp.arange(t + 1)[None])
+        np.testing.assert_allclose(np.asarray(logits[0][0, t]), np.asarray(head_logits(params, cfg_t, h0[0, t])),
+                                   rtol=1e-4, atol=1e-4)
+        cache = KVCache(k=k0.transpose(0, 2, 1, 3)[None], v=v0.transpose(0, 2, 1, 3)[None], lengths=jnp.array([t + 1]))
+        chain_feats = [h0[:, t:t + 1]]
+        for i in range(1, steps):
+            if t + i + 1 >= s:
+                break
+            chain = tokens[:, t + 2: t + 2 + i]  # x_{t+2} .. x_{t+i+1}
+            hs, _, _ = head_forward(params, cfg_t, w.embed, chain, jnp.concatenate(chain_feats, 1),
+                                    t + 1 + jnp.arange(i)[None], cache)
+            chain_feats.append(hs[:, -1:])
+            np.testing.assert_allclose(np.asarray(logits[i][0, t]),
+                                       np.asarray(head_logits(params, cfg_t, hs[0, -1])), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(np.asarray(logits[1][0, :-2]), np.asarray(logits[0][0, 1:-1]), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from jaxspec import load_model
+    from jaxspec.data import regenerate_ids
+
+    target = load_model(TINY)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(20)]
+    out = str(tmp_path_factory.mktemp("regen"))
+    regenerate_ids(target, prompts, out, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
+                   progress=False)
+    return target, out
+
+
+def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_path):
+    from jaxspec.configs import TrainConfig, from_dict
+    from jaxspec.data import RegeneratedDataset
+    from jaxspec.drafters.eagle import eagle3_loss, response_token_counts
+    from jaxspec.methods import MethodOptions, build_method
+    from train.distill import target_features, train
+
+    target, data = tiny_data
+    drafter_cfg = {"draft_vocab_size": 64, "depth": 3, "top_k": 2, "num_nodes": 5, "ttt_steps": 3}
+    config = from_dict(TrainConfig, {
+        "method": "eagle3", "target": TINY, "dtype": "float32",
+        "data": {"path": data, "seq_len": 32, "eval_holdout": 4},
+        "optim": {"learning_rate": 3e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},
+        "loss": {"kind": "forward_kl", "position_decay": 0.8},
+        "run": {"steps": 12, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / "run"), "save_every": 6,
+                "eval_every": 12, "eval_prompts": 2, "log_every": 1},
+        "drafter": drafter_cfg,
+    })
+    summary = train(config, progress=False)
+    params = summary["params"]
+    dataset = RegeneratedDataset(data)
+    counts = response_token_counts(dataset, 256)
+    d2t, _ = build_vocab_map(counts, 64)
+    assert np.asarray(draft_to_target(params)).tolist() == d2t.tolist()  # the draft vocabulary comes from the data
+    layers = (0, 1, 2)
+    batch = next(dataset.batches(16, 32, seed=1))
+    tokens = jnp.asarray(batch["tokens"])
+    feats = target_features(target.weights, target.config, tokens, layers, with_logits=True)
+    fresh = Eagle3Config(**drafter_cfg).init_params(target.config, target.weights, jax.random.key(0), counts)
+
+    def fixed_loss(p):
+        return float(eagle3_loss(p, target.weights, target.config, tokens, feats.hidden, feats.logits,
+                                 jnp.asarray(batch["loss_mask"]), steps=3)[0])
+
+    assert fixed_loss(params) < fixed_loss(fresh)
+    method = build_method("eagle3", target, MethodOptions(drafter=summary["drafter"]))
+    assert method.drafter.target_layers == layers and method.drafter.num_nodes == 5
+    prompts = [[5, 9, 33, 2], list(range(40, 58))]
+    expected = generate(target.weights, target.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
+    assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
