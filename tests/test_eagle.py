@@ -30,7 +30,7 @@ from jaxspec.drafters.eagle import (
 )
 from jaxspec.generate import generate, prefill
 from jaxspec.model import forward
-from jaxspec.sampling import GREEDY, target_probs
+from jaxspec.sampling import GREEDY, SamplingConfig, target_probs
 from jaxspec.speculative import speculative_generate
 from jaxspec.tree import DraftTree, chain_parents
 from jaxspec.verification import accept, verify_forward
@@ -74,17 +74,29 @@ def test_untrained_method_from_the_registry(tiny_llama3):
     batch = _prompts(ref)[1:]
     expected = generate(model.weights, model.config, batch, max_new_tokens=12, eos_ids=()).token_ids
     assert method.generate(batch, max_new_tokens=12, eos_ids=()).token_ids == expected
+    # sampling: deterministic top-k children (draft_probs None) under the same loop; reproducible per seed
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    runs = [method.generate(batch, max_new_tokens=12, eos_ids=(), sampling=sampling, seed=s).token_ids for s in (1, 1)]
+    assert runs[0] == runs[1] and all(len(r) == 12 and all(0 <= x < 256 for x in r) for r in runs[0])
 
 
-def _scratch_pairs(params, model, drafter, committed):
+def _scratch_pairs(params, model, drafter, committed, width=None):
     """The head run over a committed text (prompt, then accepted tokens, then the root) in one causal forward:
-    (h [1, L, d], k [1, L, Hkv, h]) for the pairs (f_t, x_{t+1}), t < L."""
-    ids = jnp.asarray([committed], jnp.int32)  # [1, L + 1]
+    (h [1, L, d], k [1, L, Hkv, h]) for the pairs (f_t, x_{t+1}), t < L. With `width`, the text is right-padded to
+    width + 1 tokens (one compilation for every length; causal attention keeps padding out of the first L pairs)."""
+    n = len(committed) - 1
+    ids = jnp.asarray([committed + [0] * ((width or n) - n)], jnp.int32)  # [1, W + 1]
+    h, k = _scratch_jit(params, model.weights, model.config, drafter.target_layers, ids)
+    return h[:, :n], k[:, :n]
+
+
+@jax.jit(static_argnums=(2, 3))
+def _scratch_jit(params, weights, cfg, layers, ids):
     n = ids.shape[1] - 1
     positions = jnp.arange(n, dtype=jnp.int32)[None]
-    out = forward(model.weights, model.config, ids[:, :n], positions, hidden_layers=drafter.target_layers)
-    feats = fuse_features(params, out.hidden)  # [1, L, d]
-    h, k, _ = head_forward(params, model.config, model.weights.embed, ids[:, 1:], feats, positions)
+    out = forward(weights, cfg, ids[:, :n], positions, hidden_layers=layers)
+    feats = fuse_features(params, out.hidden)  # [1, W, d]
+    h, k, _ = head_forward(params, cfg, weights.embed, ids[:, 1:], feats, positions)
     return h, k
 
 
@@ -108,18 +120,22 @@ def test_head_cache_after_rounds_equals_the_head_over_the_committed_text(tiny_ll
     history = jnp.zeros((2, size), jnp.int32).at[:, :9].set(tokens).at[jnp.arange(2), lengths].set(root)
     state = drafter.init(params, cfg_t, tokens, lengths, out, size, GREEDY)
     done = [0, 0]  # generated tokens before the root, per row
+    propose = jax.jit(lambda p, s, i: drafter.propose(p, s, i, cfg_t, GREEDY, jax.random.key(0)))
+    update = jax.jit(drafter.update)
+    verify = jax.jit(lambda w, c, r, tr: verify_forward(w, cfg_t, c, r, tr, drafter.target_layers))
+    tree_jit = jax.jit(lambda p, e, c, h: draft_tree(p, cfg_t, e, c, h, depth=3, top_k=3, num_nodes=t))
     for forced in ([3, 0], [0, 8], [8, 5], [1, 2]):
         inputs = RoundInputs(target_weights=w, target_cache=cache, history=history, lengths=cache.lengths, root=root)
-        tree, state, cache = drafter.propose(params, state, inputs, cfg_t, GREEDY, jax.random.key(0))
+        tree, state, cache = propose(params, state, inputs)
         for row in range(2):  # the head's cache and tree equal the head run over the committed text
             n = int(cache.lengths[row])
             committed = prompts[row] + greedy[row][: done[row] + 1]
             assert len(committed) == n + 1 and int(state.cache.lengths[row]) == n
-            h, k = _scratch_pairs(params, model, drafter, committed)
+            h, k = _scratch_pairs(params, model, drafter, committed, width=48)
             np.testing.assert_allclose(np.asarray(state.cache.k[0, row, :, :n]), np.asarray(k[0].transpose(1, 0, 2)),
                                        rtol=2e-4, atol=2e-5)
             one = KVCache(k=state.cache.k[:, row:row + 1], v=state.cache.v[:, row:row + 1], lengths=jnp.array([n]))
-            scratch, _ = draft_tree(params, cfg_t, w.embed, one, h[:, -1], depth=3, top_k=3, num_nodes=t)
+            scratch, _ = tree_jit(params, w.embed, one, h[:, -1])
             np.testing.assert_array_equal(np.asarray(scratch.tokens[0]), np.asarray(tree.tokens[row]))
             np.testing.assert_array_equal(np.asarray(scratch.parents[0]), np.asarray(tree.parents[row]))
         # a chain whose first `forced[row]` tokens are right, the rest wrong
@@ -129,7 +145,7 @@ def test_head_cache_after_rounds_equals_the_head_over_the_committed_text(tiny_ll
             chain[row] = np.where(np.arange(t) < forced[row], right, (right + 1) % cfg_t.vocab_size)
         forced_tree = DraftTree(tokens=jnp.asarray(chain), parents=jnp.broadcast_to(jnp.asarray(chain_parents(t)),
                                 (2, t)), valid=jnp.ones((2, t), bool))
-        verification = verify_forward(w, cfg_t, cache, root, forced_tree, drafter.target_layers)
+        verification = verify(w, cache, root, forced_tree)
         acc = accept(forced_tree, target_probs(verification.logits, GREEDY), jnp.zeros((2, t)), jnp.zeros(2))
         assert acc.num_accepted.tolist() == forced
         start = cache.lengths
@@ -138,7 +154,7 @@ def test_head_cache_after_rounds_equals_the_head_over_the_committed_text(tiny_ll
             new = acc.tokens[row, : forced[row] + 1]
             history = history.at[row, int(start[row]) + 1: int(start[row]) + 2 + forced[row]].set(new)
             done[row] += forced[row] + 1
-        state = drafter.update(params, state, inputs, dataclasses.replace(verification, cache=None), acc)
+        state = update(params, state, inputs, dataclasses.replace(verification, cache=None), acc)
         root = acc.bonus
 
 
@@ -333,3 +349,22 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
     prompts = [[5, 9, 33, 2], list(range(40, 58))]
     expected = generate(target.weights, target.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
     assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
+
+
+def test_config_file_and_refusals(tiny_llama3):
+    import os
+
+    from jaxspec.configs import TrainConfig, from_dict, load_config
+    from jaxspec.errors import UserError
+
+    _, model, _ = tiny_llama3
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "eagle3-smollm2-135m.yaml")
+    config = load_config(path, TrainConfig, [])
+    drafter = from_dict(Eagle3Config, dict(config.drafter), path="drafter")
+    assert config.method == "eagle3" and drafter.feature_layers == (2, 15, 27) and drafter.draft_vocab_size == 4096
+    assert Eagle3Config().for_target(dataclasses.replace(model.config, num_layers=30)).feature_layers == (2, 15, 27)
+    with pytest.raises(UserError, match="num_nodes"):
+        Eagle3Config(depth=2, top_k=2, num_nodes=7)  # at most 2 + 4 candidates
+    with pytest.raises(UserError, match="feature_layers"):
+        Eagle3Config(feature_layers=(0, 5)).for_target(model.config)  # the tiny target has 3 layers
+    assert Eagle3Config(draft_vocab_size=0).for_target(model.config).draft_vocab_size == 256

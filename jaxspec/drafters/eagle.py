@@ -227,7 +227,8 @@ def init_eagle3_params(target_cfg: ModelConfig, target_weights: Weights, num_fea
         fc=normal(num_features * d, d), input_norm=jnp.ones((d,), dtype), hidden_norm=jnp.ones((d,), dtype),
         wq=normal(2 * d, hq, h), wk=normal(2 * d, hk, h), wv=normal(2 * d, hk, h), wo=normal(hq, h, d),
         mlp_norm=jnp.ones((d,), dtype), w_gate=normal(d, f), w_up=normal(d, f), w_down=normal(f, d),
-        final_norm=jnp.asarray(target_weights.final_norm, dtype), lm_head=jnp.take(shared, d2t, axis=1).astype(dtype),
+        final_norm=jnp.array(target_weights.final_norm, dtype, copy=True),  # a copy: training donates params
+        lm_head=jnp.take(shared, d2t, axis=1).astype(dtype),
         d2t=d2t.astype(jnp.float32),
     )
 
