@@ -24,6 +24,7 @@ from jaxspec.drafters.eagle import (
     head_forward,
     head_logits,
     select_nodes,
+    static_tree,
     target_to_draft_mask,
     to_target_logits,
     ttt_logits,
@@ -186,57 +187,98 @@ def test_select_nodes_is_ancestor_closed_with_parents_first():
         assert sorted(scores[keep]) == sorted(np.sort(scores)[::-1][:n])
 
 
+def _committed(params, model, drafter, prompt, root):
+    """The head's cache (32 slots) after absorbing a prompt followed by the root, and the root's draft state h_root
+    [1, d], checked against the head run over the text in one forward."""
+    cfg_t, w = model.config, model.weights
+    committed = prompt + [root]
+    h, _ = _scratch_pairs(params, model, drafter, committed)
+    n = len(prompt)
+    out = forward(w, cfg_t, jnp.asarray([prompt]), jnp.arange(n)[None], hidden_layers=drafter.target_layers)
+    feats = fuse_features(params, out.hidden)  # [1, n, d]
+    cache = init_cache(cfg_t, 1, 32, num_layers=1)
+    cache, h_root = absorb_pairs(params, cfg_t, w.embed, cache, jnp.pad(feats, ((0, 0), (0, 32 - n), (0, 0))),
+                                 jnp.pad(jnp.asarray([committed]), ((0, 0), (0, 32 - n - 1))), jnp.array([n]))
+    np.testing.assert_allclose(np.asarray(h_root), np.asarray(h[:, -1]), rtol=1e-4, atol=1e-5)
+    return cache, h_root
+
+
+def _path_log_probs(params, model, cache, h_root, path):
+    """The head run on one path alone (feed (h_root, y1), (h1, y2), ... causally over the cache): the draft
+    log-probs [Vd] each token of the path was chosen from."""
+    cfg_t, w = model.config, model.weights
+    n = int(cache.lengths[0])
+    feats, out = [h_root[:, None]], [jax.nn.log_softmax(head_logits(params, cfg_t, h_root), -1)[0]]
+    for i in range(1, len(path)):
+        chain = jnp.asarray([path[:i]], jnp.int32)
+        hs, _, _ = head_forward(params, cfg_t, w.embed, chain, jnp.concatenate(feats, 1), n + jnp.arange(i)[None],
+                                cache)
+        feats.append(hs[:, -1:])
+        out.append(jax.nn.log_softmax(head_logits(params, cfg_t, hs[:, -1]), -1)[0])
+    return [np.asarray(x) for x in out]
+
+
+def _paths(tokens, parents):
+    """The root-to-node token path of every node."""
+    paths = []
+    for j in range(len(tokens)):
+        path, node = [], j
+        while node >= 0:
+            path.append(int(tokens[node]))
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
 def test_dynamic_tree_matches_an_independent_path_recomputation(tiny_llama3):
     """For every node of a real drafted tree: its parent comes first, its token is among its parent's top-K draft
     tokens, and its score equals the sum of log-probs along its path when the head is run on that path alone (a
     causal chain over the committed cache); the kept nodes are the best N of the whole pool."""
     _, model, ref = tiny_llama3
-    cfg_t, w = model.config, model.weights
     cfg, params = _head(model, scale=0.5, depth=4, top_k=3, num_nodes=12)
-    drafter = cfg.make_drafter()
-    prompt = ref["input_ids"][0, :11].tolist()
-    committed = prompt + [7]
-    h, _ = _scratch_pairs(params, model, drafter, committed)
-    n = len(prompt)
-    out = forward(w, cfg_t, jnp.asarray([prompt]), jnp.arange(n)[None], hidden_layers=drafter.target_layers)
-    feats = fuse_features(params, out.hidden)
-    cache = init_cache(cfg_t, 1, 32, num_layers=1)
-    cache, h_root = absorb_pairs(params, cfg_t, w.embed, cache, jnp.pad(feats, ((0, 0), (0, 32 - n), (0, 0))),
-                                 jnp.pad(jnp.asarray([committed]), ((0, 0), (0, 32 - n - 1))), jnp.array([n]))
-    np.testing.assert_allclose(np.asarray(h_root), np.asarray(h[:, -1]), rtol=1e-4, atol=1e-5)
-    tree, scores = draft_tree(params, cfg_t, w.embed, cache, h_root, depth=4, top_k=3, num_nodes=12)
-    pool_tokens, pool_parents, pool_scores = expand_pool(params, cfg_t, w.embed, cache, h_root, 4, 3)
+    cache, h_root = _committed(params, model, cfg.make_drafter(), ref["input_ids"][0, :11].tolist(), 7)
+    tree, scores = draft_tree(params, model.config, model.weights.embed, cache, h_root, depth=4, top_k=3,
+                              num_nodes=12)
+    _, _, pool_scores = expand_pool(params, model.config, model.weights.embed, cache, h_root, 4, 3)
     np.testing.assert_allclose(np.sort(np.asarray(scores[0])), np.sort(np.asarray(pool_scores[0]))[-12:], rtol=1e-6)
     tokens, parents, scores = (np.asarray(x[0]) for x in (tree.tokens, tree.parents, scores))
     d2t = np.asarray(draft_to_target(params))
-    depths = []
-    for j in range(12):
+    paths = _paths(tokens, parents)
+    for j, path in enumerate(paths):
         assert parents[j] < j
-        path, node = [], j
-        while node >= 0:
-            path.append(int(tokens[node]))
-            node = parents[node]
-        path = path[::-1]
-        depths.append(len(path))
-        # the head on this path alone: feed (h_root, y1), (h1, y2), ... causally over the cache
-        feats_chain, total, h_prev = [h_root[:, None]], 0.0, h_root
-        logp = jax.nn.log_softmax(head_logits(params, cfg_t, h_prev), -1)[0]  # [Vd]
-        for i, y in enumerate(path):
-            top = d2t[np.argsort(-np.asarray(logp), kind="stable")[:3]]
-            assert y in top  # one of the parent's top-K
-            total += float(logp[np.where(d2t == y)[0][0]])
-            if i + 1 < len(path):
-                chain = jnp.asarray([path[: i + 1]], jnp.int32)
-                positions = n + jnp.arange(i + 1)[None]
-                hs, _, _ = head_forward(params, cfg_t, w.embed, chain, jnp.concatenate(feats_chain, 1), positions,
-                                        cache)
-                feats_chain.append(hs[:, -1:])
-                logp = jax.nn.log_softmax(head_logits(params, cfg_t, hs[:, -1]), -1)[0]
+        total = 0.0
+        for y, logp in zip(path, _path_log_probs(params, model, cache, h_root, path)):
+            assert y in d2t[np.argsort(-logp, kind="stable")[:3]]  # one of the parent's top-K
+            total += float(logp[np.flatnonzero(d2t == y)[0]])
         np.testing.assert_allclose(scores[j], total, rtol=1e-4, atol=1e-4)
-    assert max(depths) >= 2  # the tree goes deeper than the root's children
+    assert max(len(p) for p in paths) >= 2  # the tree goes deeper than the root's children
     for j in range(12):  # siblings are distinct tokens
         siblings = [tokens[i] for i in range(12) if parents[i] == parents[j]]
         assert len(set(siblings)) == len(siblings)
+
+
+def test_static_tree_eagle1_variant(tiny_llama3):
+    """`tree_choices` with a head on the top layer over the whole vocabulary (EAGLE-1): node j is the rank-r token
+    of its parent's draft distribution on its own path, and greedy decoding equals autoregressive."""
+    _, model, ref = tiny_llama3
+    choices = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))
+    cfg = Eagle3Config(feature_layers=(2,), draft_vocab_size=0, init_scale=0.5, tree_choices=choices)
+    cfg = cfg.for_target(model.config)
+    params = cfg.init_params(model.config, model.weights, jax.random.key(2))
+    drafter = cfg.make_drafter()
+    assert params.fc.shape == (64, 64) and params.lm_head.shape == (64, 256) and drafter.num_nodes == 8
+    cache, h_root = _committed(params, model, drafter, ref["input_ids"][1, :9].tolist(), 3)
+    tree = static_tree(params, model.config, model.weights.embed, cache, h_root, drafter.choices)
+    tokens, parents = np.asarray(tree.tokens[0]), np.asarray(tree.parents[0])
+    assert parents.tolist() == [-1, -1, -1, 0, 0, 1, 3, 4]
+    for choice, path in zip(drafter.choices, _paths(tokens, parents)):
+        for rank, y, logp in zip(choice, path, _path_log_probs(params, model, cache, h_root, path)):
+            assert y == int(np.argsort(-logp, kind="stable")[rank])
+    prompts = _prompts(ref)
+    expected = generate(model.weights, model.config, prompts, max_new_tokens=20, eos_ids=()).token_ids
+    result = speculative_generate(model.weights, model.config, drafter, params, prompts, max_new_tokens=20,
+                                  eos_ids=())
+    assert result.token_ids == expected
 
 
 def test_vocab_map():

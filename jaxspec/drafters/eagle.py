@@ -58,7 +58,11 @@ leaves) never moves it.
 
 EAGLE-1 and EAGLE-2 are the same module with other settings: a head on the top layer alone
 (`feature_layers: [L-1]`, fc [d -> d]) over the full vocabulary (`draft_vocab_size: 0`) is the EAGLE-1/2 head
-(without EAGLE-1's feature-regression loss); the dynamic tree is EAGLE-2's.
+(trained by the same loss; `ttt_steps: 1` is plain teacher forcing; EAGLE-1's feature-regression term is not
+offered). With `tree_choices` (Medusa-style paths of child ranks, e.g. [[0], [1], [0, 0]]) the tree has that fixed
+shape (EAGLE-1's static tree): level by level the head runs on the nodes that have children, each attending to the
+cache and its ancestors, and node j's token is the rank-r token of its parent's draft distribution. Without it the
+tree is EAGLE-2's dynamic tree.
 
 Einsum letters: b batch, t new tokens (queries), u keys among the new or drafted tokens, s cache slots, d model
 width, e the head's input width (2d) or the fused width (n d), k key/value heads, g query heads per kv head, h head
@@ -81,7 +85,7 @@ from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.errors import UserError
 from jaxspec.losses import decay_weights, gamma_weights, masked_mean, per_position_loss
 from jaxspec.model import NEG_INF, Weights, _attention, apply_rope, causal_mask, rms_norm, rope_inverse_frequencies
-from jaxspec.tree import DraftTree
+from jaxspec.tree import DraftTree, choices_parents
 
 # ---------------------------------------------------------------------------------------------- configuration
 
@@ -104,6 +108,8 @@ class Eagle3Config:
         num_nodes: N, drafted nodes verified per round (at most K + (D - 1) K^2).
         ttt_steps: unrolled training-time-test steps.
         init_scale: standard deviation of the head's random matrices.
+        tree_choices: a static tree instead of the dynamic one (EAGLE-1): paths of child ranks from the root;
+            `depth`, `top_k` and `num_nodes` are then ignored (T = the number of paths).
     """
 
     feature_layers: tuple[int, ...] | None = None
@@ -113,6 +119,7 @@ class Eagle3Config:
     num_nodes: int = 16
     ttt_steps: int = 7
     init_scale: float = 0.02
+    tree_choices: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.ttt_steps < 1:
@@ -125,6 +132,13 @@ class Eagle3Config:
         if self.draft_vocab_size < 0:
             raise UserError(f"drafter.draft_vocab_size must be >= 0 (0: the whole vocabulary), got "
                             f"{self.draft_vocab_size}.")
+        if self.tree_choices is not None:
+            try:
+                choices_parents([tuple(c) for c in self.tree_choices])
+            except ValueError as e:
+                raise UserError(f"drafter.tree_choices: {e}") from None
+            if not self.tree_choices or any(not c or min(c) < 0 for c in self.tree_choices):
+                raise UserError("drafter.tree_choices must be non-empty paths of ranks >= 0, e.g. [[0], [1], [0, 0]].")
         if self.feature_layers is not None and not self.feature_layers:
             raise UserError("drafter.feature_layers must name at least one target layer (or be null for the default).")
 
@@ -142,6 +156,10 @@ class Eagle3Config:
     def make_drafter(self) -> Eagle3Drafter:
         if self.feature_layers is None:
             raise ValueError("Eagle3Config.make_drafter needs concrete feature_layers; call for_target first.")
+        if self.tree_choices is not None:
+            choices = tuple(sorted({tuple(c) for c in self.tree_choices}, key=lambda c: (len(c), c)))
+            return Eagle3Drafter(target_layers=tuple(self.feature_layers), depth=max(len(c) for c in choices),
+                                 top_k=max(max(c) for c in choices) + 1, num_nodes=len(choices), choices=choices)
         return Eagle3Drafter(target_layers=tuple(self.feature_layers), depth=self.depth, top_k=self.top_k,
                              num_nodes=self.num_nodes)
 
@@ -406,6 +424,54 @@ def draft_tree(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: 
     return tree, jnp.take_along_axis(scores, keep, axis=1)
 
 
+def static_tree(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: KVCache, h_root: jax.Array,
+                choices: tuple[tuple[int, ...], ...]) -> DraftTree:
+    """A fixed-shape tree (EAGLE-1): node j is the rank-r token of its parent's draft distribution.
+
+    Level by level (static shapes per level), the head runs on the nodes that have children at position
+    L - 1 + depth, attending to the committed cache plus its ancestors (a buffer of T slots under the tree's static
+    ancestor mask).
+
+    Args:
+        cache: the head's cache with lengths = L; h_root: [B, d]; choices: paths of ranks, sorted by depth then path.
+    Returns:
+        DraftTree with T = len(choices), draft_probs None.
+    """
+    parents, ranks = choices_parents(list(choices))  # [T] each, parents before children
+    t = len(parents)
+    b = h_root.shape[0]
+    visible = np.eye(t, dtype=np.bool_)  # [T, T] ancestor-or-self (static: numpy, parents before children)
+    for j in range(t):
+        if parents[j] >= 0:
+            visible[j] |= visible[parents[j]]
+    depths = visible.sum(-1)  # [T], 1 for the root's children
+    top = int(ranks.max()) + 1
+    d2t = draft_to_target(params)  # [Vd]
+    ids = jnp.zeros((b, t), jnp.int32)  # [B, T] draft ids
+    first = jax.lax.top_k(head_logits(params, cfg, h_root), top)[1]  # [B, R]
+    level = np.flatnonzero(depths == 1)
+    ids = ids.at[:, level].set(first[:, ranks[level]])
+    outputs = jnp.zeros((b, t, h_root.shape[-1]), h_root.dtype)  # [B, T, d] the head's output at fed nodes
+    buf_k = jnp.zeros((b, t, cfg.num_kv_heads, cfg.head_dim), params.wk.dtype)  # [B, T, Hkv, h]
+    buf_v = jnp.zeros_like(buf_k)
+    for depth in range(1, int(depths.max())):
+        fed = np.array([j for j in np.flatnonzero(depths == depth) if np.any(parents == j)])  # [n]
+        feats = jnp.where(jnp.asarray(parents[fed] < 0)[None, :, None], h_root[:, None],
+                          outputs[:, np.maximum(parents[fed], 0)])  # [B, n, d]
+        positions = jnp.broadcast_to(cache.lengths[:, None] + depth - 1, (b, len(fed)))  # [B, n]
+        q, k, v = _project(params, cfg, jnp.take(embed, d2t[ids[:, fed]], axis=0), feats, positions)
+        buf_k, buf_v = buf_k.at[:, fed].set(k.astype(buf_k.dtype)), buf_v.at[:, fed].set(v.astype(buf_v.dtype))
+        mask = jnp.broadcast_to(jnp.asarray(visible[fed]), (b, len(fed), t))  # [B, n, T]
+        h = _finish(params, cfg, feats, _attention(q, buf_k, buf_v, cache.k[0], cache.v[0], cache.lengths, mask))
+        outputs = outputs.at[:, fed].set(h)
+        best = jax.lax.top_k(head_logits(params, cfg, h), top)[1]  # [B, n, R]
+        children = np.flatnonzero(depths == depth + 1)  # their parents are all in `fed`
+        slot = np.searchsorted(fed, parents[children])
+        ids = ids.at[:, children].set(best[:, slot, ranks[children]])
+    return DraftTree(tokens=d2t[ids], parents=jnp.broadcast_to(jnp.asarray(parents), (b, t)),
+                     valid=jnp.ones((b, t), jnp.bool_))
+
+
 # ---------------------------------------------------------------------------------------------- the drafter
 
 
@@ -452,6 +518,7 @@ class Eagle3Drafter(Drafter):
     depth: int = 5
     top_k: int = 4
     num_nodes: int = 16
+    choices: tuple[tuple[int, ...], ...] | None = None  # a static tree (EAGLE-1) instead of the dynamic one
     name: str = "eagle3"
 
     def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
@@ -470,8 +537,11 @@ class Eagle3Drafter(Drafter):
         with jax.named_scope("eagle_absorb"):
             cache, h_root = jax.lax.cond(state.first, lambda: absorb(state.prompt), lambda: absorb(state.pending))
         with jax.named_scope("eagle_tree"):
-            tree, _ = draft_tree(params, target_cfg, embed, cache, h_root, depth=self.depth, top_k=self.top_k,
-                                 num_nodes=self.num_nodes)
+            if self.choices is not None:
+                tree = static_tree(params, target_cfg, embed, cache, h_root, self.choices)
+            else:
+                tree, _ = draft_tree(params, target_cfg, embed, cache, h_root, depth=self.depth, top_k=self.top_k,
+                                     num_nodes=self.num_nodes)
         return tree, dataclasses.replace(state, cache=cache, first=jnp.array(False)), inputs.target_cache
 
     def update(self, params, state: Eagle3State, inputs, verification, acceptance):
