@@ -54,7 +54,8 @@ def write_new_entries(cache: KVCache, new_k: jax.Array, new_v: jax.Array, layer_
 
     def write_rows(buffer, new):  # buffer [L, B, Hkv, S, D], new [Lr, B, Hkv, T, D]
         def write_one_row(row_buffer, row_new, start):  # [L, Hkv, S, D], [Lr, Hkv, T, D]
-            return jax.lax.dynamic_update_slice(row_buffer, row_new.astype(row_buffer.dtype), (layer_start, 0, start, 0))
+            new = row_new.astype(row_buffer.dtype)
+            return jax.lax.dynamic_update_slice(row_buffer, new, (layer_start, 0, start, 0))
 
         return jax.vmap(write_one_row, in_axes=(1, 1, 0), out_axes=1)(buffer, new, cache.lengths)
 

@@ -101,7 +101,9 @@ def read_prompts_file(path: str) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{number} is not valid JSON ({e.msg}); write one JSON object per line.") from None
+                raise UserError(
+                    f"{path}:{number} is not valid JSON ({e.msg}); write one JSON object per line."
+                ) from None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise UserError(f"{path}:{number} has no string field \"prompt\"; write {{\"prompt\": \"...\"}}.")
             prompts.append(record["prompt"])
@@ -134,7 +136,9 @@ def cmd_generate(args) -> None:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model = load_model(args.model, dtype=dtype_from_name(args.dtype))
     if model.tokenizer is None:
-        raise UserError(f"'{model.source}' has no tokenizer (tokenizer.json); add one to the folder to prompt with text.")
+        raise UserError(
+            f"'{model.source}' has no tokenizer (tokenizer.json); add one to the folder to prompt with text."
+        )
     try:
         prompt_ids = [encode_prompt(model.tokenizer, p, args.chat) for p in prompts]
     except ValueError as e:
@@ -165,8 +169,8 @@ def cmd_generate(args) -> None:
                 if not args.json:
                     print(text, flush=True)
                     extra = f", tau {stats['tau']}" if method.drafter is not None else ""
-                    print(f"[{len(ids)} tokens in {result.seconds:.2f} s, {stats['tokens_per_second']} tokens/s{extra}]",
-                          file=sys.stderr)
+                    rate = stats["tokens_per_second"]
+                    print(f"[{len(ids)} tokens in {result.seconds:.2f} s, {rate} tokens/s{extra}]", file=sys.stderr)
                     continue
                 record = {
                     "prompt": prompts[start + i],

@@ -51,9 +51,8 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UserError(
-                f"Architecture '{self.architecture}' is not supported; jaxspec runs {', '.join(SUPPORTED_ARCHITECTURES)}."
-            )
+            known = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise UserError(f"Architecture '{self.architecture}' is not supported; jaxspec runs {known}.")
         if self.num_heads % self.num_kv_heads:
             raise UserError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
 

@@ -131,7 +131,9 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise UserError(f"The GGUF file '{path}' has no tensor '{name}'; it is incomplete or not a {cfg.architecture}.")
+            raise UserError(
+                f"The GGUF file '{path}' has no tensor '{name}'; it is incomplete or not a {cfg.architecture}."
+            )
         t = tensors[name]
         try:
             arr = dequantize(t.data, t.tensor_type)

@@ -51,10 +51,10 @@ TEXTS = [
     "x\u00b2 + y\u00b3 = z\u00bd, \u2167 \u0663\u0664 \u2264 \u221e \u2211 \u221a",
     # unicode
     "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u8fd9\u662f\u4e00\u4e2a\u6d4b\u8bd5\u3002",
-    "Emoji test: \U0001f600\U0001f44d\U0001f3fd\U0001f1fa\U0001f1f8 \u2764\ufe0f \U0001f389 \U0001f468\u200d\U0001f469\u200d\U0001f467",
+    "Emoji test: \U0001f600\U0001f44d\U0001f3fd\U0001f1fa\U0001f1f8 \u2764\ufe0f \U0001f389 \U0001f468\u200d\U0001f469\u200d\U0001f467",  # noqa: E501
     "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 fa\u00e7ade \u00c5ngstr\u00f6m cr\u00e8me br\u00fbl\u00e9e se\u00f1or",
-    "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645\u060c \u0643\u064a\u0641 \u062d\u0627\u0644\u0643\u061f",
-    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \ud55c\uad6d\uc5b4 \ud14d\uc2a4\ud2b8 \u0420\u043e\u0441\u0441\u0438\u044f",
+    "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645\u060c \u0643\u064a\u0641 \u062d\u0627\u0644\u0643\u061f",  # noqa: E501
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \ud55c\uad6d\uc5b4 \ud14d\uc2a4\ud2b8 \u0420\u043e\u0441\u0441\u0438\u044f",  # noqa: E501
     "e\u0301 vs \u00e9, zero\u200bwidth and non\u00a0breaking",
     # whitespace runs and newlines
     "a    b\t\t c   \n\n   d",

@@ -8,6 +8,7 @@ tests/fixtures/ because torch is not a jaxspec dependency.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxspec.cache import init_cache
 from jaxspec.config import LLAMA3_8B, QWEN3_8B, ModelConfig, RopeScaling
@@ -142,19 +143,19 @@ def _abstract_weights(cfg: ModelConfig, dtype=jnp.bfloat16) -> Weights:
     return Weights(embed=s(v, d), layers=layers, final_norm=s(d), lm_head=None if cfg.tie_word_embeddings else s(d, v))
 
 
-def test_full_size_configs_trace_without_memory():
+@pytest.mark.parametrize("cfg", [LLAMA3_8B, QWEN3_8B], ids=["llama3-8b", "qwen3-8b"])
+def test_full_size_configs_trace_without_memory(cfg):
     """jax.eval_shape of prefill + decode for Llama-3-8B and Qwen3-8B (no weights are allocated)."""
-    for cfg in (LLAMA3_8B, QWEN3_8B):
-        weights = _abstract_weights(cfg)
-        cache = jax.eval_shape(lambda: init_cache(cfg, 2, 1024, jnp.bfloat16))
-        tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
-        lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-        last, _, cache = jax.eval_shape(lambda w, t, n, c: prefill(w, cfg, t, n, c), weights, tokens, lengths, cache)
-        assert last.shape == (2, cfg.vocab_size) and cache.k.shape == (cfg.num_layers, 2, 8, 1024, 128)
-        logits, _ = jax.eval_shape(
-            lambda w, t, c: decode_step(w, cfg, t, c, jnp.ones(2, bool)), weights,
-            jax.ShapeDtypeStruct((2,), jnp.int32), cache)
-        assert logits.shape == (2, cfg.vocab_size)
+    weights = _abstract_weights(cfg)
+    cache = jax.eval_shape(lambda: init_cache(cfg, 2, 1024, jnp.bfloat16))
+    tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    last, _, cache = jax.eval_shape(lambda w, t, n, c: prefill(w, cfg, t, n, c), weights, tokens, lengths, cache)
+    assert last.shape == (2, cfg.vocab_size) and cache.k.shape == (cfg.num_layers, 2, 8, 1024, 128)
+    logits, _ = jax.eval_shape(
+        lambda w, t, c: decode_step(w, cfg, t, c, jnp.ones(2, bool)), weights,
+        jax.ShapeDtypeStruct((2,), jnp.int32), cache)
+    assert logits.shape == (2, cfg.vocab_size)
 
 
 def test_config_round_trips_through_hf_dict(tiny):

@@ -5,4 +5,7 @@ from jaxspec.drafters.draft_model import DraftModelDrafter
 from jaxspec.drafters.early_exit import EarlyExitDrafter
 from jaxspec.drafters.prompt_lookup import PromptLookupDrafter
 
-__all__ = ["ChainDrafter", "DraftModelDrafter", "Drafter", "EarlyExitDrafter", "PromptLookupDrafter", "RoundInputs", "draft_chain"]
+__all__ = [
+    "ChainDrafter", "DraftModelDrafter", "Drafter", "EarlyExitDrafter", "PromptLookupDrafter", "RoundInputs",
+    "draft_chain",
+]
