@@ -32,7 +32,7 @@ from jaxspec.drafters.eagle import (
 from jaxspec.generate import generate, prefill
 from jaxspec.model import forward
 from jaxspec.sampling import GREEDY, SamplingConfig, target_probs
-from jaxspec.speculative import speculative_generate
+from jaxspec.speculative import speculative_generate, speculative_generate_tokens
 from jaxspec.tree import DraftTree, chain_parents
 from jaxspec.verification import accept, verify_forward
 
@@ -64,6 +64,13 @@ def test_greedy_equals_autoregressive(tiny_llama3):
                                       eos_ids=())
         assert result.token_ids == expected
         assert all(1 <= r <= 24 for r in result.rounds)
+        if len(batch) == 1:  # another prompt length in the same shape bucket: no new compilation
+            before = speculative_generate_tokens._cache_size()
+            other = [prompts[2][:30]]
+            expected = generate(model.weights, model.config, other, max_new_tokens=24, eos_ids=()).token_ids
+            assert speculative_generate(model.weights, model.config, drafter, params, other, max_new_tokens=24,
+                                        eos_ids=()).token_ids == expected
+            assert speculative_generate_tokens._cache_size() == before
 
 
 def test_untrained_method_from_the_registry(tiny_llama3):
