@@ -340,6 +340,9 @@ class DataConfig:
     path: str  # the regenerated data set (the target's own responses), as written by train/regenerate
     seq_len: int = 2048  # tokens per training sequence (prompt + response; longer ones are cut)
     eval_holdout: float = 0.01  # held out for evaluation: a fraction in [0, 1), or a whole count >= 1
+    # compute the frozen target's hidden states once and store them on disk (run.out_dir/features) instead of
+    # running the target inside every step; full-vocabulary logits are never stored
+    cache_features: bool = False
 
     def __post_init__(self):
         _require(bool(self.path), "data.path must name the regenerated data set.")

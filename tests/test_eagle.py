@@ -369,7 +369,7 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
     drafter_cfg = {"draft_vocab_size": 64, "depth": 3, "top_k": 2, "num_nodes": 5, "ttt_steps": 3}
     config = from_dict(TrainConfig, {
         "method": "eagle3", "target": TINY, "dtype": "float32",
-        "data": {"path": data, "seq_len": 32, "eval_holdout": 4},
+        "data": {"path": data, "seq_len": 32, "eval_holdout": 4, "cache_features": True},  # the cached path
         "optim": {"learning_rate": 3e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},
         "loss": {"kind": "forward_kl", "position_decay": 0.8},
         "run": {"steps": 12, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / "run"), "save_every": 6,

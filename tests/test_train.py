@@ -180,3 +180,18 @@ def test_untrained_medusa_is_greedy_exact(tiny_data):
     expected = generate(target.weights, target.config, prompts, max_new_tokens=14, eos_ids=()).token_ids
     result = method.generate(prompts, max_new_tokens=14, eos_ids=())
     assert result.token_ids == expected
+
+
+def test_cached_features_train_like_features_computed_in_the_step(tiny_data, tmp_path):
+    """data.cache_features: the target runs once over the data set; the run ends with the same parameters."""
+    from jaxspec.configs import to_dict
+    from train.distill import train
+
+    _, data = tiny_data
+    plain = train(_config(data, str(tmp_path / "plain"), steps=3, eval_every=0), progress=False)
+    raw = to_dict(_config(data, str(tmp_path / "cached"), steps=3, eval_every=0))
+    raw["data"]["cache_features"] = True
+    cached = train(from_dict(TrainConfig, raw), progress=False)
+    assert (tmp_path / "cached" / "features" / "last_hidden.npy").exists()
+    for a, b in zip(jax.tree.leaves(plain["params"]), jax.tree.leaves(cached["params"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

@@ -22,7 +22,7 @@ import optax
 
 from jaxspec.configs import TrainConfig, from_dict, make_optimizer, to_dict
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, forward
+from jaxspec.model import Weights, forward, lm_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +78,18 @@ def target_features(weights: Weights, cfg, tokens: jax.Array, layers: tuple[int,
 
 
 def make_train_step(trainable: Trainable, method_cfg, target_cfg, loss_cfg, optimizer, layers):
-    """The pure step: (params, opt_state, target_weights, tokens [B, S], loss_mask [B, S], key) ->
-    (params, opt_state, metrics)."""
+    """The pure step: (params, opt_state, target_weights, tokens [B, S], loss_mask [B, S], key, cached) ->
+    (params, opt_state, metrics). `cached` is None (the target runs inside the step) or (last_hidden [B, S, d],
+    hidden [n, B, S, d] or None) read from the feature cache."""
 
-    def step(params, opt_state, target_weights, tokens, loss_mask, key):
-        features = target_features(target_weights, target_cfg, tokens, layers, trainable.needs_logits)
+    def step(params, opt_state, target_weights, tokens, loss_mask, key, cached=None):
+        if cached is None:
+            features = target_features(target_weights, target_cfg, tokens, layers, trainable.needs_logits)
+        else:
+            last_hidden, hidden = cached
+            logits = lm_head(target_weights, target_cfg, last_hidden) if trainable.needs_logits else None
+            features = jax.lax.stop_gradient(Features(last_hidden=last_hidden, logits=logits, hidden=hidden,
+                                                      tokens=tokens))
 
         def loss_fn(p):
             return trainable.loss(p, method_cfg, target_weights, target_cfg, features, loss_mask, loss_cfg, key)
@@ -94,6 +101,58 @@ def make_train_step(trainable: Trainable, method_cfg, target_cfg, loss_cfg, opti
         return params, opt_state, metrics
 
     return step
+
+
+def cache_target_features(target, dataset, layers: tuple[int, ...], seq_len: int, directory: str,
+                          batch_size: int = 8, progress: bool = True) -> dict[str, np.ndarray]:
+    """The frozen target's hidden states for every sample, computed once and kept on disk as .npy files.
+
+    Returns memory-mapped arrays: `last_hidden` float32[N, S, d] and, when `layers` is not empty, `hidden`
+    float32[n, N, S, d] (rows in dataset order, cut and padded to seq_len like the training batches). A finished
+    cache for the same target, data, layers and seq_len is reused; anything else is recomputed.
+    """
+    key = {"target": target.fingerprint(), "data": dataset.fingerprint, "samples": dataset.num_samples,
+           "layers": list(layers), "seq_len": seq_len}
+    meta_path = os.path.join(directory, "features.json")
+    files = {"last_hidden": os.path.join(directory, "last_hidden.npy"), "hidden": os.path.join(directory, "hidden.npy")}
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            if json.load(f) == {**key, "complete": True}:
+                out = {"last_hidden": np.load(files["last_hidden"], mmap_mode="r")}
+                if layers:
+                    out["hidden"] = np.load(files["hidden"], mmap_mode="r")
+                return out
+    os.makedirs(directory, exist_ok=True)
+    n, d = dataset.num_samples, target.config.hidden_size
+    last = np.lib.format.open_memmap(files["last_hidden"], "w+", np.float32, (n, seq_len, d))
+    hidden = np.lib.format.open_memmap(files["hidden"], "w+", np.float32, (len(layers), n, seq_len, d)) if layers \
+        else None
+    compute = jax.jit(lambda w, t: target_features(w, target.config, t, layers))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, desc="caching target features", unit="sample")
+    for start in range(0, n, batch_size):
+        rows = list(range(start, min(start + batch_size, n)))
+        tokens = np.zeros((batch_size, seq_len), np.int32)  # [B, S]; a short last batch is zero-padded
+        for i, row in enumerate(rows):
+            sample = dataset.sample(row)[:seq_len]
+            tokens[i, : len(sample)] = sample
+        feats = jax.device_get(compute(target.weights, jnp.asarray(tokens)))
+        last[rows] = feats.last_hidden[: len(rows)]
+        if hidden is not None:
+            hidden[:, rows] = feats.hidden[:, : len(rows)]
+        if bar is not None:
+            bar.update(len(rows))
+    if bar is not None:
+        bar.close()
+    last.flush()
+    if hidden is not None:
+        hidden.flush()
+    with open(meta_path, "w") as f:
+        json.dump({**key, "complete": True}, f)
+    return cache_target_features(target, dataset, layers, seq_len, directory, batch_size, progress=False)
 
 
 def _shardings(mesh):
@@ -151,9 +210,19 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     if run.batch_size % config.mesh.data:
         raise UserError(f"run.batch_size={run.batch_size} is not a multiple of mesh.data={config.mesh.data}.")
     replicated, batch_sharded = _shardings(mesh)
+    cache = None
+    cached_shardings = None
+    if config.data.cache_features:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxspec.sharding import DATA
+
+        cache = cache_target_features(target, dataset, layers, config.data.seq_len,
+                                      os.path.join(run.out_dir, "features"), run.batch_size, progress)
+        cached_shardings = (batch_sharded, NamedSharding(mesh, PartitionSpec(None, DATA)) if layers else None)
     step_fn = jax.jit(
         make_train_step(trainable, method_cfg, target.config, config.loss, optimizer, layers),
-        in_shardings=(replicated, replicated, replicated, batch_sharded, batch_sharded, replicated),
+        in_shardings=(replicated, replicated, replicated, batch_sharded, batch_sharded, replicated, cached_shardings),
         out_shardings=(replicated, replicated, replicated),
         donate_argnums=(0, 1),
     )
@@ -180,8 +249,13 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     while step < run.steps:
         batch = next(batches)
         tokens, loss_mask = (_global_batch(batch[name], batch_sharded) for name in ("tokens", "loss_mask"))
+        cached = None
+        if cache is not None:
+            rows = np.asarray(batch["indices"])
+            cached = (_global_batch(np.asarray(cache["last_hidden"][rows]), batch_sharded),
+                      _global_batch(np.asarray(cache["hidden"][:, rows]), cached_shardings[1]) if layers else None)
         params, opt_state, metrics = step_fn(params, opt_state, target.weights, tokens, loss_mask,
-                                             jax.random.fold_in(key, step))
+                                             jax.random.fold_in(key, step), cached)
         step += 1
         steps_this_call += 1
         position = int(batch["position"])
