@@ -12,8 +12,8 @@ What it measures, for each batch size (default 1 and 8):
 * transformers + torch (when both import and --no-torch is not given): the same GGUF file through
   `AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)` on 2 torch threads
   (--torch-threads), `model.generate(..., do_sample=False, min_new_tokens=N, max_new_tokens=N)` on the same
-  prompts (left-padded for batches), and whether the first prompt's greedy tokens are identical in both (compared up to jaxspec's
-  first EOS, since min_new_tokens makes transformers skip EOS).
+  prompts (left-padded for batches), and whether the first prompt's greedy tokens are identical in both
+  (compared up to jaxspec's first EOS, since min_new_tokens makes transformers skip EOS).
 
 How to run (in the project environment; prints progress, then a table and the exact command line):
 
@@ -173,7 +173,8 @@ def bench_transformers(source: str, prompt_ids, batch_sizes, n: int, repeats: in
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    print(f"Loading {source} in transformers {transformers.__version__} (torch {torch.__version__}, {threads} threads)...")
+    versions = f"transformers {transformers.__version__} (torch {torch.__version__}, {threads} threads)"
+    print(f"Loading {source} in {versions}...")
     if os.path.isdir(source):
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     else:
@@ -271,7 +272,8 @@ def print_table(res: dict) -> None:
         g = res["greedy_check"]
         if g["identical"]:
             verdict = f"IDENTICAL over {g['compared_tokens']} tokens"
-            verdict += " (up to jaxspec's EOS; transformers skips EOS with min_new_tokens)" if g["stopped_at_eos"] else ""
+            if g["stopped_at_eos"]:
+                verdict += " (up to jaxspec's EOS; transformers skips EOS with min_new_tokens)"
         else:
             verdict = f"DIFFERENT from token {g['first_mismatch']} of {g['compared_tokens']} compared"
         print(f"Greedy tokens of the first prompt, jaxspec vs transformers: {verdict}.")

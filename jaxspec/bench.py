@@ -601,12 +601,15 @@ def write_outputs(bench: dict, out_dir: str) -> dict[str, str]:
 
 
 def _check_args(args) -> None:
-    from jaxspec.methods import METHODS
+    from jaxspec.methods import LEARNED_METHODS, METHODS
     from jaxspec.prompts import PROMPT_SETS
 
-    for name in args.methods:
+    for spec in args.methods:
+        name, has_drafter, _ = spec.partition("=")
         if name not in METHODS:
             raise UserError(f"Unknown method '{name}' in --methods; choose from {', '.join(METHODS)}.")
+        if has_drafter and name not in LEARNED_METHODS:
+            raise UserError(f"'{spec}': only learned methods ({', '.join(LEARNED_METHODS)}) take a drafter.")
     for name in args.prompt_sets:
         if name not in PROMPT_SETS:
             raise UserError(f"Unknown prompt set '{name}' in --prompt-sets; choose from {', '.join(PROMPT_SETS)}.")

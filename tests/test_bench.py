@@ -115,6 +115,7 @@ def test_bench_parser_sweeps_k_and_lists():
 
 @pytest.mark.parametrize("argv, phrase", [
     (["--methods", "nope"], "Unknown method 'nope'"),
+    (["--methods", "prompt-lookup=x"], "only learned methods"),
     (["--prompt-sets", "mbpp"], "Unknown prompt set 'mbpp'"),
     (["--limit", "0"], "--limit must be at least 1"),
 ])
@@ -154,3 +155,13 @@ def test_missing_prompt_package_names_the_pip_command(monkeypatch):
 def test_unknown_prompt_set():
     with pytest.raises(UserError, match="Unknown prompt set 'mbpp'"):
         prompts.load_prompt_set("mbpp")
+
+
+def test_a_learned_method_can_name_its_drafter(tiny_llama3):
+    """`--methods medusa=untrained` builds Medusa with fresh heads and labels it in the results."""
+    from jaxspec.bench import build_methods
+
+    _, target, _ = tiny_llama3
+    args = build_parser().parse_args(["bench", "--methods", "prompt-lookup,medusa=untrained"])
+    methods = build_methods(target, args)
+    assert [m.name for m in methods] == ["autoregressive", "prompt-lookup", "medusa[untrained]"]
