@@ -186,7 +186,9 @@ def cmd_generate(args) -> None:
         generated: list[int] = []
         printed = ""
         start = time.perf_counter()
+        first_token_at = None
         for step_tokens in stream_generate(model.weights, model.config, [ids], **options):
+            first_token_at = first_token_at or time.perf_counter()
             token = int(step_tokens[0])
             if token in eos or token < 0:
                 break
@@ -196,9 +198,12 @@ def cmd_generate(args) -> None:
                 sys.stdout.write(text[len(printed):])
                 sys.stdout.flush()
                 printed = text
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
         sys.stdout.write("\n")
-        print(f"[{len(generated)} tokens in {seconds:.2f} s, {len(generated) / seconds:.1f} tokens/s]", file=sys.stderr)
+        # the first token waits for compilation and prefill; the rate after it is the decoding speed
+        rate = (len(generated) - 1) / (end - first_token_at) if len(generated) > 1 else float("nan")
+        print(f"[{len(generated)} tokens in {end - start:.2f} s (first token after {first_token_at - start:.2f} s, "
+              f"compilation included); {rate:.1f} tokens/s after it]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
