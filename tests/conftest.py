@@ -48,3 +48,18 @@ def tiny_llama3():
     from jaxspec import load_model
 
     return "llama3", load_model(fixture_path("tiny-llama3")), np.load(fixture_path("tiny_llama3_reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """(target, data folder): the tiny Llama-3 regenerating 20 random prompts (20 new tokens each), for training."""
+    from jaxspec import load_model
+    from jaxspec.data import regenerate_ids
+
+    target = load_model(fixture_path("tiny-llama3"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(20)]
+    out = str(tmp_path_factory.mktemp("regen"))
+    regenerate_ids(target, prompts, out, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
+                   progress=False)
+    return target, out

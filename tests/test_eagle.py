@@ -344,20 +344,6 @@ def test_training_time_test_equals_a_manual_unroll(tiny_llama3):
     assert not np.allclose(np.asarray(logits[1][0, :-2]), np.asarray(logits[0][0, 1:-1]), atol=1e-3)
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    from jaxspec import load_model
-    from jaxspec.data import regenerate_ids
-
-    target = load_model(TINY)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(20)]
-    out = str(tmp_path_factory.mktemp("regen"))
-    regenerate_ids(target, prompts, out, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
-                   progress=False)
-    return target, out
-
-
 def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_path):
     from jaxspec.configs import TrainConfig, from_dict
     from jaxspec.data import RegeneratedDataset

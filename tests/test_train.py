@@ -12,24 +12,12 @@ import pytest
 from conftest import fixture_path
 
 from jaxspec.configs import TrainConfig, from_dict
-from jaxspec.data import regenerate_ids
 from jaxspec.errors import UserError
 from jaxspec.generate import generate
 from jaxspec.loading import load_model
 from jaxspec.methods import MethodOptions, build_method
 
 TINY = fixture_path("tiny-llama3")
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    target = load_model(TINY)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(20)]
-    out = str(tmp_path_factory.mktemp("regen"))
-    regenerate_ids(target, prompts, out, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
-                   progress=False)
-    return target, out
 
 
 def _config(data_path, out_dir, **run):
