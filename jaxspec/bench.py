@@ -148,7 +148,7 @@ def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[lis
 def _shape_key(method: Method, rows, max_new_tokens: int, sampling: SamplingConfig) -> tuple:
     """What decides a compilation of the method's jitted loop: the padded prompt shape, cache size, sampling."""
     extra = 0 if method.drafter is None else method.drafter.num_nodes + 1  # a round may overshoot by T + 1 slots
-    batch = pad_prompts(rows, max_new_tokens + extra, method.target.config)
+    batch = pad_prompts(rows, max_new_tokens, method.target.config, draft_slots=extra)
     return _label(method), batch.tokens.shape, batch.cache_size, sampling
 
 

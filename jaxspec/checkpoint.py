@@ -19,7 +19,6 @@ A drafter belongs to one target: loading it with another target's fingerprint is
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxspec.data import file_sha256
 from jaxspec.errors import UserError
 
 DRAFTER_META_FILE = "jaxspec_drafter.json"
@@ -224,14 +224,6 @@ def _build(items: list[tuple[list, Any]]) -> Any:
     return {key: _build(sub) for (_, key), sub in groups.items()}
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def save_drafter(directory: str | os.PathLike, *, method: str, drafter_config: Mapping[str, Any], params: Any,
                  target_fingerprint: str, target_source: str, extra: Mapping[str, Any] | None = None) -> str:
     """Writes a drafter checkpoint: `params.safetensors` and `jaxspec_drafter.json`.
@@ -269,7 +261,7 @@ def save_drafter(directory: str | os.PathLike, *, method: str, drafter_config: M
         "target": {"fingerprint": target_fingerprint, "source": target_source},
         "params": {
             "file": DRAFTER_PARAMS_FILE,
-            "sha256": _sha256(params_path),
+            "sha256": file_sha256(params_path),
             "tensors": [{"name": name, "path": entries, "shape": list(arrays[name].shape),
                          "dtype": str(arrays[name].dtype)} for name, entries, _ in leaves],
         },
@@ -350,7 +342,7 @@ def load_drafter(directory: str | os.PathLike, *, expected_method: str | None = 
     params_path = os.path.join(directory, meta["params"].get("file", DRAFTER_PARAMS_FILE))
     if not os.path.isfile(params_path):
         raise UserError(f"Drafter checkpoint {directory} is incomplete: {os.path.basename(params_path)} is missing.")
-    if _sha256(params_path) != meta["params"].get("sha256"):
+    if file_sha256(params_path) != meta["params"].get("sha256"):
         raise UserError(f"Drafter checkpoint {directory} is corrupt: {os.path.basename(params_path)} does not match "
                         f"the checksum in {DRAFTER_META_FILE} (truncated or altered); copy or train it again.")
     try:

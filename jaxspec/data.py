@@ -154,7 +154,8 @@ def load_sharegpt_prompts(limit: int | None = None, min_chars: int = 16, max_cha
 # ---------------------------------------------------------------------------------------------- file helpers
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """The sha256 hex digest of a file, read in blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -376,7 +377,7 @@ def regenerate_ids(
         finished: dict[str, dict] = {}
         for name, entry in sorted(manifest.get("shards", {}).items()):
             path = os.path.join(out_dir, name)
-            if os.path.isfile(path) and _sha256(path) == entry["sha256"]:
+            if os.path.isfile(path) and file_sha256(path) == entry["sha256"]:
                 finished[name] = entry
             else:
                 warnings.warn(f"Shard '{path}' is missing or corrupt (sha256 differs); regenerating it.", stacklevel=2)
@@ -409,7 +410,7 @@ def regenerate_ids(
                     "samples": int(len(source)),
                     "prompt_tokens": int(arrays["prompt_lengths"].sum()),
                     "response_tokens": int((arrays["lengths"] - arrays["prompt_lengths"]).sum()),
-                    "sha256": _sha256(path),
+                    "sha256": file_sha256(path),
                 }
                 manifest["shards"] = dict(sorted(finished.items()))
                 manifest["complete"] = len(finished) == num_shards
@@ -554,7 +555,7 @@ class RegeneratedDataset:
             file = os.path.join(self.path, name)
             if not os.path.isfile(file):
                 raise UserError(f"The shard '{file}' is missing; rerun the regeneration in that folder to rewrite it.")
-            if self.verify and _sha256(file) != entry["sha256"]:
+            if self.verify and file_sha256(file) != entry["sha256"]:
                 raise UserError(f"The shard '{file}' is corrupt; rerun the regeneration in that folder to rewrite it.")
             with np.load(file) as z:
                 tokens, lens = z["tokens"], z["lengths"]  # [N, W], [N]

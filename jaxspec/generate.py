@@ -131,10 +131,11 @@ class Batch:
 
 
 def pad_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, cfg: ModelConfig,
-                max_cache_length: int | None = None) -> Batch:
+                max_cache_length: int | None = None, draft_slots: int = 0) -> Batch:
     """Right-pads token id lists into a bucketed batch and picks the cache size; checks everything fits.
 
-    Raises UserError if a prompt is empty or a prompt plus max_new_tokens does not fit the cache.
+    draft_slots: extra cache slots a speculative round may write beyond the last kept token (T + 1).
+    Raises UserError if a prompt is empty or a prompt plus max_new_tokens (plus draft_slots) does not fit the cache.
     """
     if not prompt_ids:
         raise UserError("No prompts were given.")
@@ -145,9 +146,11 @@ def pad_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, cfg: M
         raise UserError("A prompt is empty after tokenization; give at least one token.")
     limit = max_cache_length or cfg.max_position_embeddings
     longest = int(lengths.max())
-    if longest + max_new_tokens > limit:
+    needed = longest + max_new_tokens + draft_slots
+    if needed > limit:
+        drafts = f" and {draft_slots} slots for a round's draft tree" if draft_slots else ""
         raise UserError(
-            f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs {longest + max_new_tokens} "
+            f"A prompt of {longest} tokens plus max_new_tokens={max_new_tokens}{drafts} needs {needed} "
             f"cache slots, more than the {limit} available; shorten the prompt, lower max_new_tokens, or raise "
             "max_cache_length (at most the model's context length)."
         )
@@ -155,7 +158,7 @@ def pad_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, cfg: M
     tokens = np.zeros((len(prompt_ids), width), np.int32)
     for row, ids in enumerate(prompt_ids):
         tokens[row, : len(ids)] = ids
-    cache_size = min(round_up(width + max_new_tokens, CACHE_BUCKET), round_up(limit, CACHE_BUCKET))
+    cache_size = min(round_up(width + max_new_tokens + draft_slots, CACHE_BUCKET), round_up(limit, CACHE_BUCKET))
     return Batch(tokens=tokens, lengths=lengths, cache_size=cache_size)
 
 

@@ -152,7 +152,7 @@ def speculative_generate(
 ) -> SpeculativeResult:
     """Speculative generation for token-id prompts of any lengths: the same tokens as `generate` at T=0, the same
     distribution at T>0."""
-    batch = pad_prompts(prompt_ids, max_new_tokens + drafter.num_nodes + 1, cfg, max_cache_length)
+    batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_nodes + 1)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
     start = time.perf_counter()
     out, counts, rounds, accepted = speculative_generate_tokens(
