@@ -49,12 +49,18 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     """Options that choose and configure the decoding method (shared by generate and bench)."""
     from jaxspec.methods import METHODS
 
-    p.add_argument("--drafter", help="learned methods (medusa): a drafter folder from `jaxspec train`, or 'untrained'")
+    p.add_argument("--drafter", help="learned methods (medusa, eagle, eagle2, eagle3): a drafter folder from "
+                   "`jaxspec train` (eagle3 also: a Hugging Face EAGLE-3 folder), or 'untrained'; default: the "
+                   "drafter shipped for the model, if any")
     p.add_argument("--draft-model", help="draft-model: a known name, .gguf file or HF folder sharing the tokenizer")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="draft depth per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3)")
-    p.add_argument("--tree-width", type=int, default=1,
-                   help="draft-model, early-exit: top-W siblings at every depth (W x depth nodes, lossless)")
+                   help="draft depth per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3; "
+                        "eagle2/eagle3: the tree depth, default the drafter's)")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="eagle2, eagle3: drafted nodes verified per round (N of the dynamic tree)")
+    p.add_argument("--tree-width", type=int, default=None,
+                   help="draft-model, early-exit: top-W siblings at every depth (W x depth nodes, default 1); "
+                        "eagle2/eagle3: children per expanded node (top_k)")
     p.add_argument("--ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: number of target layers that draft (default: a quarter of them)")
@@ -65,7 +71,8 @@ def method_options(args):
     from jaxspec.methods import MethodOptions
 
     return MethodOptions(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                         tree_width=args.tree_width, ngram=args.ngram, exit_layer=args.exit_layer,
+                         tree_width=args.tree_width, tree_nodes=args.tree_nodes, ngram=args.ngram,
+                         exit_layer=args.exit_layer,
                          drafter=args.drafter)
 
 

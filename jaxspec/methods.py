@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from jaxspec.errors import UserError
@@ -14,8 +15,11 @@ from jaxspec.loading import LoadedModel, load_model
 from jaxspec.sampling import GREEDY, SamplingConfig
 from jaxspec.speculative import speculative_generate
 
-METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa", "eagle3")
-LEARNED_METHODS = ("medusa", "eagle3")
+METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa", "eagle", "eagle2", "eagle3")
+LEARNED_METHODS = ("medusa", "eagle", "eagle2", "eagle3")
+# The checkpoint each learned method reads: EAGLE-2 is the EAGLE-1 head with dynamic trees.
+CHECKPOINT_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}
+SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters", "shipped")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,8 +27,10 @@ class MethodOptions:
     """Method settings; None means the method's default for the target."""
 
     draft_model: str | None = None  # draft-model: a known name, .gguf or HF folder
-    num_draft_tokens: int | None = None  # K, the draft depth per round
-    tree_width: int = 1  # W top-k siblings per depth (draft-model, early-exit): T = K * W nodes
+    num_draft_tokens: int | None = None  # K, the draft depth per round (eagle2/eagle3: the tree depth)
+    tree_width: int | None = None  # W top-k siblings per depth (draft-model, early-exit: T = K * W nodes, default 1);
+    # eagle2/eagle3: top_k, the children per expanded node
+    tree_nodes: int | None = None  # eagle2/eagle3: N, the drafted nodes verified per round
     ngram: int = 3  # prompt-lookup: longest n-gram matched
     exit_layer: int | None = None  # early-exit: layers used to draft
     drafter: str | None = None  # learned methods: a drafter checkpoint folder, or "untrained"
@@ -61,12 +67,17 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
     if name == "autoregressive":
         return Method(name=name, drafter=None, params=None, target=target)
     if name in LEARNED_METHODS:
-        drafter, params = load_learned_drafter(name, target, options.drafter)
+        if name == "medusa" and (options.tree_width is not None or options.tree_nodes is not None):
+            raise UserError("Medusa drafts the fixed tree of its drafter.choices; --tree-width and --tree-nodes do not "
+                            "apply.")
+        drafter, params = load_learned_drafter(name, target, options.drafter, options)
         return Method(name=name, drafter=drafter, params=params, target=target)
     k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
     if k < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
-    width = options.tree_width
+    width = 1 if options.tree_width is None else options.tree_width
+    if options.tree_nodes is not None:
+        raise UserError(f"--tree-nodes is for the EAGLE dynamic trees (eagle2, eagle3), not {name}.")
     if width < 1 or (name == "prompt-lookup" and width != 1):
         raise UserError(
             f"--tree-width {width} is not possible for {name}: use 1"
@@ -101,30 +112,99 @@ def _method_config(method: str, config: dict):
         from jaxspec.drafters.medusa import MedusaConfig
 
         return from_dict(MedusaConfig, config, path="drafter")
-    if method == "eagle3":
+    if method in ("eagle", "eagle2", "eagle3"):
         from jaxspec.drafters.eagle import Eagle3Config
 
         return from_dict(Eagle3Config, config, path="drafter")
     raise UserError(f"Method '{method}' has no learned drafter.")
 
 
-def load_learned_drafter(method: str, target: LoadedModel, path: str | None):
-    """(drafter, params) from a drafter checkpoint trained for `target`, or freshly initialised for "untrained"."""
-    if path is None:
-        raise UserError(
-            f"The {method} method needs --drafter: a drafter folder written by `jaxspec train`, or 'untrained' for "
-            "freshly initialised weights (a baseline that shows what training adds)."
-        )
-    if path == "untrained":
-        cfg = _method_config(method, {})
-        cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg  # target-dependent defaults
-        return cfg.make_drafter(), cfg.init_params(target.config, target.weights)
-    from jaxspec.checkpoint import load_drafter, read_drafter_meta
+def shipped_drafter(method: str, target: LoadedModel) -> str | None:
+    """The drafter folder shipped inside the package for `method` and this exact target, if there is one."""
+    from jaxspec.checkpoint import read_drafter_meta
 
+    if not os.path.isdir(SHIPPED_DRAFTERS):
+        return None
+    fingerprint = target.fingerprint()
+    for entry in sorted(os.listdir(SHIPPED_DRAFTERS)):
+        path = os.path.join(SHIPPED_DRAFTERS, entry)
+        if not os.path.isdir(path):
+            continue
+        meta = read_drafter_meta(path)
+        if meta["method"] == CHECKPOINT_METHOD[method] and meta["target"].get("fingerprint") == fingerprint:
+            return path
+    return None
+
+
+def _tree_settings(method: str, cfg, options: MethodOptions):
+    """The EAGLE config with the method's tree: `eagle` a static tree (the checkpoint's or the default), `eagle2` and
+    `eagle3` a dynamic tree with --num-draft-tokens (depth), --tree-width (top_k) and --tree-nodes overriding it."""
+    from jaxspec.drafters.eagle import DEFAULT_STATIC_TREE
+
+    if method == "eagle":
+        if options.num_draft_tokens is not None or options.tree_width is not None or options.tree_nodes is not None:
+            raise UserError("The eagle method drafts EAGLE-1's static tree (drafter.tree_choices); for tree options "
+                            "use --method eagle2 (the same head with dynamic trees).")
+        return dataclasses.replace(cfg, tree_choices=cfg.tree_choices or DEFAULT_STATIC_TREE)
+    overrides = {"tree_choices": None}
+    for field, value in (("depth", options.num_draft_tokens), ("top_k", options.tree_width),
+                         ("num_nodes", options.tree_nodes)):
+        if value is not None:
+            overrides[field] = value
+    if "num_nodes" not in overrides and ("depth" in overrides or "top_k" in overrides):
+        depth, top_k = overrides.get("depth", cfg.depth), overrides.get("top_k", cfg.top_k)
+        overrides["num_nodes"] = min(cfg.num_nodes, top_k + (depth - 1) * top_k ** 2)
+    return dataclasses.replace(cfg, **overrides)
+
+
+def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
+                         options: MethodOptions = MethodOptions()):
+    """(drafter, params) from a drafter checkpoint trained for `target`, or freshly initialised for "untrained".
+
+    path: a folder written by `jaxspec train`; for eagle3 also a Hugging Face EAGLE-3 folder (config.json +
+    safetensors, as vLLM and SGLang load); "untrained"; or None: the drafter shipped with jaxspec for this target.
+    """
+    if path is None:
+        path = shipped_drafter(method, target)
+        if path is None:
+            raise UserError(
+                f"The {method} method needs --drafter: a drafter folder written by `jaxspec train`"
+                + (", a Hugging Face EAGLE-3 folder" if method == "eagle3" else "")
+                + ", or 'untrained' for freshly initialised weights (a baseline that shows what training adds). "
+                f"jaxspec ships no {CHECKPOINT_METHOD[method]} drafter for {target.source}."
+            )
+    eagle = method in ("eagle", "eagle2", "eagle3")
+    if path == "untrained":
+        if method in ("eagle", "eagle2"):
+            from jaxspec.drafters.eagle import eagle1_config
+
+            cfg = eagle1_config(target.config)
+        else:
+            cfg = _method_config(method, {})
+        cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg  # target-dependent defaults
+        if eagle:
+            cfg = _tree_settings(method, cfg, options)
+        return cfg.make_drafter(), cfg.init_params(target.config, target.weights)
+    from jaxspec.checkpoint import DRAFTER_META_FILE, load_drafter, read_drafter_meta
+
+    if (eagle and os.path.isfile(os.path.join(path, "config.json"))
+            and not os.path.isfile(os.path.join(path, DRAFTER_META_FILE))):
+        if method != "eagle3":
+            raise UserError(f"{path} is a Hugging Face drafter folder; jaxspec reads EAGLE-3 ones there: use "
+                            "--method eagle3.")
+        from jaxspec.drafters.eagle_hf import import_eagle3_hf
+
+        params, cfg = import_eagle3_hf(path, target.config, target.weights, target_fingerprint=target.fingerprint())
+        cfg = _tree_settings(method, cfg.for_target(target.config), options)
+        drafter = cfg.make_drafter()
+        drafter.check_compatible(params, target.config)
+        return drafter, params
     meta = read_drafter_meta(path)
     cfg = _method_config(method, meta.get("config", {}))
     cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg
     abstract = cfg.init_params(target.config, target.weights)
-    _, params = load_drafter(path, expected_method=method, target_fingerprint=target.fingerprint(),
+    _, params = load_drafter(path, expected_method=CHECKPOINT_METHOD[method], target_fingerprint=target.fingerprint(),
                              target_source=target.source, abstract_params=abstract)
+    if eagle:
+        cfg = _tree_settings(method, cfg, options)
     return cfg.make_drafter(), params

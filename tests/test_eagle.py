@@ -73,15 +73,25 @@ def test_greedy_equals_autoregressive(tiny_llama3):
             assert speculative_generate_tokens._cache_size() == before
 
 
-def test_untrained_method_from_the_registry(tiny_llama3):
+@pytest.mark.parametrize("name", ["eagle", "eagle2", "eagle3"])
+def test_untrained_methods_from_the_registry_equal_autoregressive(tiny_llama3, name):
     from jaxspec.methods import LEARNED_METHODS, METHODS, MethodOptions, build_method
 
     _, model, ref = tiny_llama3
-    assert "eagle3" in METHODS and "eagle3" in LEARNED_METHODS
-    method = build_method("eagle3", model, MethodOptions(drafter="untrained"))
+    assert name in METHODS and name in LEARNED_METHODS
+    method = build_method(name, model, MethodOptions(drafter="untrained"))
+    drafter = method.drafter
+    if name == "eagle3":  # fused low/mid/high layers, reduced vocabulary (all 256 here), dynamic tree
+        assert drafter.target_layers == (0, 1, 2) and drafter.choices is None
+    else:  # the EAGLE-1 head on the top layer; eagle: its static tree, eagle2: the dynamic tree
+        assert drafter.target_layers == (2,) and method.params.fc.shape == (64, 64)
+        assert (drafter.choices is not None) == (name == "eagle")
+    for batch in (_prompts(ref)[:1], _prompts(ref)):  # batch 1 and 3 rows of different lengths
+        expected = generate(model.weights, model.config, batch, max_new_tokens=12, eos_ids=()).token_ids
+        assert method.generate(batch, max_new_tokens=12, eos_ids=()).token_ids == expected
+    if name != "eagle3":
+        return
     batch = _prompts(ref)[1:]
-    expected = generate(model.weights, model.config, batch, max_new_tokens=12, eos_ids=()).token_ids
-    assert method.generate(batch, max_new_tokens=12, eos_ids=()).token_ids == expected
     # sampling: deterministic top-k children (draft_probs None) under the same loop; reproducible per seed
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
     runs = [method.generate(batch, max_new_tokens=12, eos_ids=(), sampling=sampling, seed=s).token_ids for s in (1, 1)]
@@ -403,3 +413,68 @@ def test_config_file_and_refusals(tiny_llama3):
     with pytest.raises(UserError, match="feature_layers"):
         Eagle3Config(feature_layers=(0, 5)).for_target(model.config)  # the tiny target has 3 layers
     assert Eagle3Config(draft_vocab_size=0).for_target(model.config).draft_vocab_size == 256
+
+
+def test_eagle1_training_regresses_features_with_the_target_lm_head_frozen(tiny_data, tmp_path):
+    """`method: eagle` trains the EAGLE-1 head (feature regression + token loss, noise, teacher forcing): fc and the
+    LM head stay the target's, the regression error falls, and one checkpoint serves `eagle` (static tree) and
+    `eagle2` (dynamic tree) losslessly; `eagle3` refuses it."""
+    from jaxspec.configs import TrainConfig, from_dict
+    from jaxspec.errors import UserError
+    from jaxspec.methods import MethodOptions, build_method
+    from train.distill import train
+
+    target, data = tiny_data
+    config = from_dict(TrainConfig, {
+        "method": "eagle", "target": TINY, "dtype": "float32",
+        "data": {"path": data, "seq_len": 32, "eval_holdout": 4},
+        "optim": {"learning_rate": 1e-2, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},
+        "loss": {"kind": "forward_kl"},
+        "run": {"steps": 16, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / "run"), "save_every": 16,
+                "eval_every": 0, "log_every": 1},
+        "drafter": {"init_scale": 0.02},
+    })
+    summary = train(config, progress=False)
+    params = summary["params"]
+    np.testing.assert_array_equal(np.asarray(params.fc), np.eye(64, dtype=np.float32))
+    shared = np.asarray(target.weights.lm_head)[:, np.asarray(draft_to_target(params))]
+    np.testing.assert_array_equal(np.asarray(params.lm_head), shared)  # the target's LM head (permuted), frozen
+    from jaxspec.data import RegeneratedDataset
+    from jaxspec.drafters.eagle import eagle1_config, eagle3_loss
+    from train.distill import target_features
+
+    batch = next(RegeneratedDataset(data).batches(16, 32, seed=1))
+    tokens = jnp.asarray(batch["tokens"])
+    feats = target_features(target.weights, target.config, tokens, (2,), with_logits=True)
+    fresh = eagle1_config(target.config).init_params(target.config, target.weights, jax.random.key(0))
+
+    def regression_error(p):
+        return float(eagle3_loss(p, target.weights, target.config, tokens, feats.hidden, feats.logits,
+                                 jnp.asarray(batch["loss_mask"]), steps=1, feature_weight=1.0)[1]["feature_step0"])
+
+    assert regression_error(params) < 0.9 * regression_error(fresh)
+    prompts = [[5, 9, 33, 2], list(range(40, 58))]
+    expected = generate(target.weights, target.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
+    for name in ("eagle", "eagle2"):
+        method = build_method(name, target, MethodOptions(drafter=summary["drafter"]))
+        assert method.drafter.target_layers == (2,)
+        assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
+    with pytest.raises(UserError, match="'eagle' drafter, not 'eagle3'"):
+        build_method("eagle3", target, MethodOptions(drafter=summary["drafter"]))
+
+
+def test_tree_options_for_the_eagle_methods(tiny_llama3):
+    from jaxspec.errors import UserError
+    from jaxspec.methods import MethodOptions, build_method
+
+    _, model, _ = tiny_llama3
+    method = build_method("eagle2", model, MethodOptions(drafter="untrained", num_draft_tokens=4, tree_width=3,
+                                                         tree_nodes=12))
+    assert (method.drafter.depth, method.drafter.top_k, method.drafter.num_nodes) == (4, 3, 12)
+    with pytest.raises(UserError, match="num_nodes must be between 1 and 6"):
+        build_method("eagle3", model, MethodOptions(drafter="untrained", num_draft_tokens=2, tree_width=2,
+                                                    tree_nodes=7))
+    with pytest.raises(UserError, match="static tree"):
+        build_method("eagle", model, MethodOptions(drafter="untrained", tree_nodes=8))
+    with pytest.raises(UserError, match="--tree-nodes"):
+        build_method("prompt-lookup", model, MethodOptions(tree_nodes=8))

@@ -119,9 +119,10 @@ def _cells(points):
     return (edges[:-1] + edges[1:]) / 2, np.diff(edges)
 
 
-def _block_distribution(parents, kinds, sampling):
-    """Exact distribution of the emitted block (accepted drafts + bonus) of one round: {tuple: prob}."""
-    outcomes = _draft_outcomes(parents, kinds, sampling)
+def _block_distribution(parents, kinds, sampling, outcomes=None):
+    """Exact distribution of the emitted block (accepted drafts + bonus) of one round: {tuple: prob}.
+    outcomes: the possible drafts as (tokens, q rows or None, probability); default: enumerated from the draft model."""
+    outcomes = _draft_outcomes(parents, kinds, sampling) if outcomes is None else outcomes
     t = len(parents)
     n = len(outcomes)
     # the target's distributions at the root and every node, by one verification forward per outcome
@@ -179,11 +180,11 @@ def _speculative_sequence_distribution(blocks, table, horizon):
     return dist
 
 
-def _check(parents, kinds, sampling):
+def _check(parents, kinds, sampling, outcomes=None):
     depth = int(np.asarray(node_depths(jnp.asarray([parents], jnp.int32))).max())
     horizon = depth + 1
     table = _target_sequence_table(horizon, sampling)
-    blocks = _block_distribution(parents, kinds, sampling)
+    blocks = _block_distribution(parents, kinds, sampling, outcomes)
     assert abs(sum(blocks.values()) - 1) < 1e-6
     spec = _speculative_sequence_distribution(blocks, table, horizon)
     if spec is None:
@@ -195,6 +196,38 @@ def _check(parents, kinds, sampling):
 @pytest.mark.parametrize("name,parents,kinds", TREES, ids=[t[0] for t in TREES])
 def test_speculative_round_reproduces_the_target_distribution_exactly(name, parents, kinds, sampling):
     assert _check(parents, kinds, sampling) < 2e-6
+
+
+def _eagle3_tree(sampling):
+    """The dynamic tree the real EAGLE-3 drafter (reduced draft vocabulary of 3 of the 4 tokens, fused target
+    features, EAGLE-2 expansion and reranking) proposes after CONTEXT: (tokens [T], parents [T])."""
+    from jaxspec.drafters import RoundInputs
+    from jaxspec.drafters.eagle import Eagle3Config
+
+    mcfg = Eagle3Config(feature_layers=(0,), draft_vocab_size=3, depth=3, top_k=2, num_nodes=5, init_scale=0.8)
+    mcfg = mcfg.for_target(CFG)
+    params = mcfg.init_params(CFG, TARGET, jax.random.key(3), np.array([3, 9, 1, 5]))  # token 2 is never drafted
+    drafter = mcfg.make_drafter()
+    context = jnp.asarray([CONTEXT[:-1]], jnp.int32)  # [1, 3]; the root CONTEXT[-1] follows
+    lengths = jnp.array([len(CONTEXT) - 1], jnp.int32)
+    _, out, cache = prefill(TARGET, CFG, context, lengths, init_cache(CFG, 1, 32), hidden_layers=drafter.target_layers)
+    state = drafter.init(params, CFG, context, lengths, out, 32, sampling)
+    history = jnp.zeros((1, 32), jnp.int32).at[0, : len(CONTEXT)].set(jnp.asarray(CONTEXT))
+    inputs = RoundInputs(target_weights=TARGET, target_cache=cache, history=history, lengths=cache.lengths,
+                         root=jnp.asarray([CONTEXT[-1]], jnp.int32))
+    tree, _, _ = drafter.propose(params, state, inputs, CFG, sampling, jax.random.key(0))
+    assert tree.draft_probs is None  # deterministic top-k children: q is a point mass
+    return np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]).tolist()
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS[:3], ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_eagle3_dynamic_tree_round_reproduces_the_target_distribution_exactly(sampling):
+    """One round with the tree the EAGLE-3 drafter builds. The tree is a deterministic function of the committed
+    text, so an exact round after every context makes the whole generation exact (induction over rounds)."""
+    tokens, parents = _eagle3_tree(sampling)
+    assert len(set(parents)) < len(parents) and max(node_depths(jnp.asarray([parents])).tolist()[0]) >= 2  # branches
+    assert 2 not in tokens.tolist()  # only draft-vocabulary tokens
+    assert _check(parents, None, sampling, outcomes=[(tokens, None, 1.0)]) < 2e-6
 
 
 def test_a_broken_rule_is_caught(monkeypatch):

@@ -37,6 +37,7 @@ class Trainable:
     loss: Any
     needs_logits: bool = False  # whether features.logits ([B, S, V]) must be computed
     init_uses_data: bool = False  # init_params also receives the RegeneratedDataset (EAGLE-3's draft vocabulary)
+    config_defaults: Any = None  # a dict the config's drafter section overrides (EAGLE-1's settings), or None
 
 
 TRAINABLES: dict[str, Trainable] = {}
@@ -185,7 +186,8 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     from jaxspec.sharding import make_mesh
 
     trainable = trainable_for(config.method)
-    method_cfg = from_dict(trainable.config_cls, dict(config.drafter), path="drafter")
+    method_cfg = from_dict(trainable.config_cls, {**(trainable.config_defaults or {}), **dict(config.drafter)},
+                           path="drafter")
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(config.dtype)
     target = load_model(config.target, dtype=dtype, with_tokenizer=True)
     dataset = RegeneratedDataset(config.data.path)
@@ -359,9 +361,9 @@ def _register_builtin() -> None:
         loss=loss,
     ))
 
-    from jaxspec.drafters.eagle import Eagle3Config, eagle3_training_loss, response_token_counts
+    from jaxspec.drafters.eagle import EAGLE1_SETTINGS, Eagle3Config, eagle3_training_loss, response_token_counts
 
-    register("eagle3", Trainable(
+    eagle = Trainable(
         config_cls=Eagle3Config,
         make_drafter=lambda c: c.make_drafter(),
         init_params=lambda c, target, key, dataset=None: c.init_params(
@@ -371,7 +373,10 @@ def _register_builtin() -> None:
         loss=eagle3_training_loss,
         needs_logits=True,
         init_uses_data=True,
-    ))
+    )
+    register("eagle3", eagle)
+    # the EAGLE-1 head (also drafted by `eagle2`): the same module and loss with EAGLE-1's settings
+    register("eagle", dataclasses.replace(eagle, config_defaults=EAGLE1_SETTINGS))
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -56,13 +56,19 @@ distribution at column t and the target's distribution at position t + i + 1 res
 pytree trains under `jax.value_and_grad` and Optax unchanged; its gradient is zero, so AdamW (no decay on 1-D
 leaves) never moves it.
 
-EAGLE-1 and EAGLE-2 are the same module with other settings: a head on the top layer alone
-(`feature_layers: [L-1]`, fc [d -> d]) over the full vocabulary (`draft_vocab_size: 0`) is the EAGLE-1/2 head
-(trained by the same loss; `ttt_steps: 1` is plain teacher forcing; EAGLE-1's feature-regression term is not
-offered). With `tree_choices` (Medusa-style paths of child ranks, e.g. [[0], [1], [0, 0]]) the tree has that fixed
-shape (EAGLE-1's static tree): level by level the head runs on the nodes that have children, each attending to the
-cache and its ancestors, and node j's token is the rank-r token of its parent's draft distribution. Without it the
-tree is EAGLE-2's dynamic tree.
+EAGLE-1 and EAGLE-2 are the same module with other settings (methods `eagle` and `eagle2`, one checkpoint):
+- the head works on the top layer alone (`feature_layers: [L-1]`), over the full vocabulary
+  (`draft_vocab_size: 0`); `fc` is the identity and stays frozen, so the residual stream is the target's top-layer
+  feature, and the final norm and LM head are the target's, frozen: the target's LM head gives the tokens. (EAGLE-1
+  feeds concat(embedding, feature) through an FC into a standard decoder layer; here that FC is folded into the
+  layer's q/k/v projections and the residual stream is the feature itself, EAGLE-3's layer layout.)
+- training: `feature_loss_weight` (EAGLE-1: 1.0) adds smooth-L1 regression of the head's output onto the target's
+  next feature, beside the token loss (`token_loss_weight`, EAGLE-1: 0.1), with uniform feature noise
+  (`feature_noise`, EAGLE-1: 0.1); `ttt_steps: 1` is EAGLE-1's teacher forcing.
+- `eagle` drafts a static tree (`tree_choices`, Medusa-style paths of child ranks, e.g. [[0], [1], [0, 0]]): level
+  by level the head runs on the nodes that have children, each attending to the cache and its ancestors, and node
+  j's token is the rank-r token of its parent's draft distribution. `eagle2` drafts EAGLE-2's dynamic tree with the
+  same head (`tree_choices` dropped).
 
 Einsum letters: b batch, t new tokens (queries), u keys among the new or drafted tokens, s cache slots, d model
 width, e the head's input width (2d) or the fused width (n d), k key/value heads, g query heads per kv head, h head
@@ -95,12 +101,31 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)))
 
 
+# EAGLE-1's static tree for the `eagle` method when the checkpoint names none: 16 nodes, depth 5, wider near the
+# root where acceptance is likeliest (paths of child ranks from the root).
+DEFAULT_STATIC_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+                       (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1))
+
+
+# The EAGLE-1 head (methods `eagle` and `eagle2`): the top layer's feature (feature_layers null with feature
+# regression on), the full vocabulary, feature regression 1.0 + token loss 0.1, feature noise 0.1, teacher forcing,
+# the default static tree. A `method: eagle` training config's drafter section overrides these.
+EAGLE1_SETTINGS = dict(draft_vocab_size=0, ttt_steps=1, feature_loss_weight=1.0, token_loss_weight=0.1,
+                       feature_noise=0.1, tree_choices=[list(c) for c in DEFAULT_STATIC_TREE])
+
+
+def eagle1_config(target_cfg: ModelConfig) -> Eagle3Config:
+    """The EAGLE-1 head's config for `target_cfg` (`EAGLE1_SETTINGS`, target defaults filled in)."""
+    return Eagle3Config(**{**EAGLE1_SETTINGS, "tree_choices": DEFAULT_STATIC_TREE}).for_target(target_cfg)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Eagle3Config:
     """The `drafter:` section of an EAGLE-3 training config, also stored in EAGLE-3 checkpoints.
 
     Attributes:
-        feature_layers: target layers whose output is fused (low, mid, high); null: (2, L // 2, L - 3).
+        feature_layers: target layers whose output is fused (low, mid, high); null: (2, L // 2, L - 3), or the
+            top layer (L - 1) with feature regression (EAGLE-1).
         draft_vocab_size: Vd, the draft vocabulary (the most frequent response tokens); 0 or >= V: the whole
             vocabulary.
         depth: D, draft tree depth (head forwards per round: 1 on the pending pairs, then D - 1).
@@ -110,6 +135,11 @@ class Eagle3Config:
         init_scale: standard deviation of the head's random matrices.
         tree_choices: a static tree instead of the dynamic one (EAGLE-1): paths of child ranks from the root;
             `depth`, `top_k` and `num_nodes` are then ignored (T = the number of paths).
+        feature_loss_weight: EAGLE-1's feature regression (smooth L1 between the head's output and the target's
+            next feature), 0 = off (EAGLE-3). When on, the head needs one feature layer, its `fc` is the identity
+            and it, the final norm and the LM head stay frozen (the target's LM head gives the tokens).
+        token_loss_weight: weight of the token loss (EAGLE-1: 0.1 beside feature regression 1.0).
+        feature_noise: EAGLE-1's training noise, uniform in [-a, a], added to the target features (0 = off).
     """
 
     feature_layers: tuple[int, ...] | None = None
@@ -120,6 +150,9 @@ class Eagle3Config:
     ttt_steps: int = 7
     init_scale: float = 0.02
     tree_choices: tuple[tuple[int, ...], ...] | None = None
+    feature_loss_weight: float = 0.0
+    token_loss_weight: float = 1.0
+    feature_noise: float = 0.0
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.ttt_steps < 1:
@@ -141,10 +174,20 @@ class Eagle3Config:
                 raise UserError("drafter.tree_choices must be non-empty paths of ranks >= 0, e.g. [[0], [1], [0, 0]].")
         if self.feature_layers is not None and not self.feature_layers:
             raise UserError("drafter.feature_layers must name at least one target layer (or be null for the default).")
+        if min(self.feature_loss_weight, self.token_loss_weight, self.feature_noise) < 0:
+            raise UserError("drafter.feature_loss_weight, token_loss_weight and feature_noise must be >= 0.")
+        if self.feature_loss_weight > 0 and self.feature_layers is not None and len(self.feature_layers) != 1:
+            raise UserError("drafter.feature_loss_weight > 0 (EAGLE-1's feature regression) needs exactly one "
+                            "feature layer, e.g. feature_layers: [29] (or null: the target's top layer).")
 
     def for_target(self, target_cfg: ModelConfig) -> Eagle3Config:
         """This config with the target-dependent defaults filled in (feature layers, Vd <= V); checks ranges."""
-        layers = self.feature_layers or default_feature_layers(target_cfg.num_layers)
+        if self.feature_layers:
+            layers = self.feature_layers
+        elif self.feature_loss_weight > 0:  # EAGLE-1: the top layer
+            layers = (target_cfg.num_layers - 1,)
+        else:
+            layers = default_feature_layers(target_cfg.num_layers)
         for i in layers:
             if not 0 <= i < target_cfg.num_layers:
                 raise UserError(f"drafter.feature_layers has layer {i}, but the target has layers 0.."
@@ -171,7 +214,8 @@ class Eagle3Config:
         counts = np.zeros(target_cfg.vocab_size, np.int64) if vocab_counts is None else vocab_counts
         d2t, _ = build_vocab_map(counts, cfg.draft_vocab_size)
         key = jax.random.key(0) if key is None else key
-        return init_eagle3_params(target_cfg, target_weights, len(cfg.feature_layers), d2t, key, self.init_scale)
+        return init_eagle3_params(target_cfg, target_weights, len(cfg.feature_layers), d2t, key, self.init_scale,
+                                  identity_fc=self.feature_loss_weight > 0)
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -229,9 +273,11 @@ def response_token_counts(dataset, vocab_size: int) -> np.ndarray:
 
 
 def init_eagle3_params(target_cfg: ModelConfig, target_weights: Weights, num_features: int, d2t: np.ndarray,
-                       key: jax.Array, scale: float = 0.02, dtype=jnp.float32) -> Eagle3Params:
+                       key: jax.Array, scale: float = 0.02, dtype=jnp.float32, identity_fc: bool = False
+                       ) -> Eagle3Params:
     """Random matrices (normal(0, scale)), norms at 1; the final norm and LM head start as the target's (the LM head
-    restricted to the draft vocabulary's columns), so the output layer starts in the target's token space."""
+    restricted to the draft vocabulary's columns), so the output layer starts in the target's token space.
+    identity_fc: `fc` is the identity (EAGLE-1: one feature layer, the head works in the target's feature space)."""
     d, f, h = target_cfg.hidden_size, target_cfg.intermediate_size, target_cfg.head_dim
     hq, hk = target_cfg.num_heads, target_cfg.num_kv_heads
     keys = iter(jax.random.split(key, 8))
@@ -242,7 +288,8 @@ def init_eagle3_params(target_cfg: ModelConfig, target_weights: Weights, num_fea
     shared = target_weights.embed.T if target_weights.lm_head is None else target_weights.lm_head  # [d, V]
     d2t = jnp.asarray(d2t, jnp.int32)  # [Vd]
     return Eagle3Params(
-        fc=normal(num_features * d, d), input_norm=jnp.ones((d,), dtype), hidden_norm=jnp.ones((d,), dtype),
+        fc=jnp.eye(d, dtype=dtype) if identity_fc else normal(num_features * d, d),
+        input_norm=jnp.ones((d,), dtype), hidden_norm=jnp.ones((d,), dtype),
         wq=normal(2 * d, hq, h), wk=normal(2 * d, hk, h), wv=normal(2 * d, hk, h), wo=normal(hq, h, d),
         mlp_norm=jnp.ones((d,), dtype), w_gate=normal(d, f), w_up=normal(d, f), w_down=normal(f, d),
         final_norm=jnp.array(target_weights.final_norm, dtype, copy=True),  # a copy: training donates params
@@ -586,20 +633,20 @@ def _ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, own_k: jax.Array 
 
 
 def ttt_logits(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, tokens: jax.Array, feats: jax.Array,
-               steps: int) -> list[jax.Array]:
+               steps: int, with_outputs: bool = False):
     """The unrolled head on whole sequences (training-time test).
 
     Args:
         embed: [V, d]; tokens: int32[B, S]; feats: [B, S, d] fused target features; steps: unrolled steps.
     Returns:
         `steps` draft logits [B, S, Vd]; step i at column t predicts token t + i + 2 from the head's own outputs of
-        steps < i (the target's feature only at step 0).
+        steps < i (the target's feature only at step 0). with_outputs: also the `steps` head outputs [B, S, d].
     """
     b, s = tokens.shape
     columns = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
     h = feats  # [B, S, d]
     k0 = v0 = None
-    own_k, own_v, out = [], [], []
+    own_k, own_v, out, hs = [], [], [], []
     for i in range(steps):
         emb = jnp.take(embed, _shift(tokens, i + 1, 0), axis=0)  # [B, S, d]: token t + i + 1
         q, k, v = _project(params, cfg, emb, h, columns + i)
@@ -611,33 +658,54 @@ def ttt_logits(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, tokens:
             own_v.append(v)
             attn = _ttt_attention(q, k0, v0, jnp.stack(own_k, axis=2), jnp.stack(own_v, axis=2))
         h = _finish(params, cfg, h, attn)
+        hs.append(h)
         out.append(head_logits(params, cfg, h))
-    return out
+    return (out, hs) if with_outputs else out
 
 
 def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: ModelConfig, tokens: jax.Array,
                 hidden: jax.Array, target_logits: jax.Array, loss_mask: jax.Array, *, steps: int,
-                kind: str = "forward_kl", decay: float | None = 0.8, gamma: float | None = None):
+                kind: str = "forward_kl", decay: float | None = 0.8, gamma: float | None = None,
+                feature_weight: float = 0.0, token_weight: float = 1.0, noise: float = 0.0,
+                key: jax.Array | None = None):
     """The TTT distillation loss on a batch of sequences.
 
     Args:
         tokens: int32[B, S]; hidden: [n, B, S, d] the target's feature layers; target_logits: [B, S, V];
         loss_mask: bool[B, S] (True at t when token t + 1 is a response token).
         steps: unrolled steps; kind: see `jaxspec.losses`; decay / gamma: step weights decay^i or exp(-gamma i).
+        feature_weight: EAGLE-1's feature regression: smooth L1 between the step-i output at column t and the
+            target's feature (n = 1) at position t + i + 1; when > 0, fc, the final norm and the LM head are frozen.
+        token_weight: weight of the token loss. noise: uniform feature noise amplitude (needs `key`).
     Returns:
-        (loss, metrics: loss_step{i} and acc_step{i}, the draft argmax (as a target id) equal to the target's).
+        (loss, metrics: loss_step{i} and acc_step{i}, the draft argmax (as a target id) equal to the target's;
+        feature_step{i} with feature regression).
     """
+    if feature_weight > 0:  # EAGLE-1: the head lives in the target's feature space; the target's LM head decodes
+        params = dataclasses.replace(params, fc=jax.lax.stop_gradient(params.fc),
+                                     final_norm=jax.lax.stop_gradient(params.final_norm),
+                                     lm_head=jax.lax.stop_gradient(params.lm_head))
     d2t = draft_to_target(params)  # [Vd]
     target_logits = jax.lax.stop_gradient(target_logits)
     restricted = jnp.take(target_logits, d2t, axis=-1)  # [B, S, Vd]: renormalised by the loss's softmax
     target_best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, S]
-    logits = ttt_logits(params, target_cfg, target_weights.embed, tokens, fuse_features(params, hidden), steps)
+    inputs = hidden
+    if noise > 0:
+        inputs = hidden + jax.random.uniform(key, hidden.shape, hidden.dtype, -noise, noise)  # [n, B, S, d]
+    logits, outputs = ttt_logits(params, target_cfg, target_weights.embed, tokens, fuse_features(params, inputs),
+                                 steps, with_outputs=True)
     losses, metrics = [], {}
     for i, step_logits in enumerate(logits):
         mask = _shift(loss_mask, i + 1, False)  # [B, S]: loss_mask[t + i + 1]
-        losses.append(masked_mean(per_position_loss(kind, step_logits, _shift(restricted, i + 1, 0.0)), mask))
+        token_loss = masked_mean(per_position_loss(kind, step_logits, _shift(restricted, i + 1, 0.0)), mask)
+        losses.append(token_weight * token_loss)
+        if feature_weight > 0:
+            error = outputs[i] - _shift(hidden[0].astype(outputs[i].dtype), i + 1, 0.0)  # [B, S, d]
+            smooth_l1 = jnp.where(jnp.abs(error) < 1.0, 0.5 * error ** 2, jnp.abs(error) - 0.5).mean(-1)  # [B, S]
+            metrics[f"feature_step{i}"] = masked_mean(smooth_l1, mask)
+            losses[-1] = losses[-1] + feature_weight * metrics[f"feature_step{i}"]
         hit = d2t[jnp.argmax(step_logits, axis=-1)] == _shift(target_best, i + 1, -1)  # [B, S]
-        metrics[f"loss_step{i}"] = losses[-1]
+        metrics[f"loss_step{i}"] = token_loss
         metrics[f"acc_step{i}"] = masked_mean(hit.astype(jnp.float32), mask)
     decay = 0.8 if decay is None else decay
     weights = gamma_weights(steps, gamma) if gamma is not None else decay_weights(steps, decay)  # [steps]
@@ -649,4 +717,5 @@ def eagle3_training_loss(params, mcfg: Eagle3Config, target_weights, target_cfg,
     """`eagle3_loss` with the training loop's `Trainable.loss` signature (features need tokens, hidden, logits)."""
     return eagle3_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.logits,
                        loss_mask, steps=mcfg.ttt_steps, kind=loss_cfg.kind, decay=loss_cfg.position_decay,
-                       gamma=loss_cfg.gamma)
+                       gamma=loss_cfg.gamma, feature_weight=mcfg.feature_loss_weight,
+                       token_weight=mcfg.token_loss_weight, noise=mcfg.feature_noise, key=key)
