@@ -207,6 +207,7 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
         "tokens_per_second": _finite(tps),
         "speedup": 1.0 if baseline is None else _finite(tps / baseline["tokens_per_second"]),
         "tau": None,
+        "theoretical_speedup": None,
         "rounds": None,
         "acceptance_by_position": None,
         "accepted_length_histogram": None,
@@ -215,8 +216,12 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
         "token_ids": run["token_ids"],  # kept in memory for comparisons; not written to results.json
     }
     if k is not None:
+        cfg = method.target.config
         row.update(
             tau=_finite(metrics.tau(run["accepted"])),
+            # tau * L / (Ls * m + L), METHODS.md: drafting cost in target-layer equivalents
+            theoretical_speedup=_finite(metrics.theoretical_speedup(
+                metrics.tau(run["accepted"]), cfg.num_layers, method.drafter.draft_cost_layers(cfg))),
             rounds=sum(len(a) for a in run["accepted"]),
             acceptance_by_position=[_finite(x) for x in metrics.acceptance_by_position(run["accepted"], k)],
             # [K + 1]: rounds that accepted 0, 1, ..., K drafted tokens
@@ -469,8 +474,8 @@ def _ordered(results: Sequence[dict]) -> list[dict]:
 
 def format_table(bench: dict) -> str:
     """The results as a plain-text table (one line per method, prompt set, temperature and batch size)."""
-    header = ["method", "K", "set", "T", "batch", "prompts", "tokens", "tok/s", "speedup", "tau", "accept@1..4",
-              "=AR"]
+    header = ["method", "K", "set", "T", "batch", "prompts", "tokens", "tok/s", "speedup", "tau", "theory",
+              "accept@1..4", "=AR"]
     lines = []
     for r in _ordered(bench["results"]):
         equal = r["matches_autoregressive"]
@@ -481,13 +486,15 @@ def format_table(bench: dict) -> str:
         else:
             equal_text = "yes" if equal else "NO!"
         width = r.get("tree_width") or 1
+        theory = r.get("theoretical_speedup")
         k_text = _fmt(r["num_draft_tokens"], "d") + (f"x{width}" if width > 1 else "")
         lines.append([r["method"], k_text, r["prompt_set"], f"{r['temperature']:g}",
                       str(r["batch_size"]), str(r["num_prompts"]), str(r["new_tokens"]),
                       _fmt(r["tokens_per_second"], ".1f"), _fmt(r["speedup"]) + ("x" if r["speedup"] else ""),
-                      _fmt(r["tau"]), _acceptance(r["acceptance_by_position"]), equal_text])
+                      _fmt(r["tau"]), _fmt(theory) + ("x" if theory else ""),
+                      _acceptance(r["acceptance_by_position"]), equal_text])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
-    left = {0, 2, 10}
+    left = {0, 2, 11}
 
     def fmt(cells):
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -678,7 +685,8 @@ def cmd_bench(args) -> None:
     written = write_outputs(bench, args.out)
     print(format_table(bench))
     print(f"\ntok/s = all new tokens / seconds of the timed runs (prefill included); speedup = tok/s over "
-          f"autoregressive's on the same prompts; tau = tokens per verification round; accept@i = fraction of rounds "
+          f"autoregressive's on the same prompts; tau = tokens per verification round; theory = tau * L / (C + L), "
+          f"C = drafting work in target layers (EAGLE: one layer x depth); accept@i = fraction of rounds "
           f"accepting draft position i; =AR: T=0 tokens equal autoregressive's. {WARMUP_NOTE.split(':')[0]}.")
     if "skipped" in bench["peers"]:
         print(f"Peers skipped: {bench['peers']['skipped']}.")

@@ -381,3 +381,37 @@ def _fill(directory: str, abstract_params: Any, arrays: Mapping[str, np.ndarray]
         sharding = getattr(leaf, "sharding", None)
         out.append(jax.device_put(value, sharding) if sharding is not None else value)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def convert_drafter_dtype(source: str | os.PathLike, destination: str | os.PathLike, dtype: str = "bfloat16") -> str:
+    """Copies a drafter checkpoint with its matrices (tensors of 2 or more dimensions) stored in `dtype`, for
+    shipping: vectors (norms, EAGLE's d2t token ids) keep their dtype so ids stay exact. Loading casts back to the
+    drafter's own dtype, so only the stored values are rounded.
+
+    Returns:
+        The destination directory.
+    """
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    store = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}.get(dtype)
+    if store is None:
+        raise UserError(f"Cannot store a drafter as '{dtype}'; choose bfloat16, float16 or float32.")
+    meta, params = load_drafter(source)  # checked: format, checksum, tensors
+    del params
+    arrays = load_file(os.path.join(os.fspath(source), meta["params"].get("file", DRAFTER_PARAMS_FILE)))
+    converted = {name: (a.astype(store) if a.ndim >= 2 and np.issubdtype(a.dtype, np.floating) else a)
+                 for name, a in arrays.items()}
+    destination = os.fspath(destination)
+    os.makedirs(destination, exist_ok=True)
+    params_path = os.path.join(destination, DRAFTER_PARAMS_FILE)
+    save_file(converted, params_path + ".tmp", metadata={"format": DRAFTER_FORMAT, "method": meta["method"]})
+    os.replace(params_path + ".tmp", params_path)
+    meta = dict(meta, params=dict(meta["params"], file=DRAFTER_PARAMS_FILE, sha256=file_sha256(params_path),
+                                  tensors=[dict(t, dtype=str(converted[t["name"]].dtype))
+                                           for t in meta["params"]["tensors"]]))
+    meta_path = os.path.join(destination, DRAFTER_META_FILE)
+    with open(meta_path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(meta_path + ".tmp", meta_path)
+    return destination

@@ -43,6 +43,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="cache slots per row (default: the model's context length)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together with --json")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    p.add_argument("--speedup", action="store_true",
+                   help="speculative methods: also decode the same prompts autoregressively and print the wall-clock "
+                        "speedup (both timed after a warm-up run, so compilation is excluded)")
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     from train.distill import add_train_parser
     from train.regenerate import add_regenerate_parser
 
+    export = sub.add_parser("export", help="copy a trained drafter for shipping (smaller dtype) or as a Hugging Face "
+                            "EAGLE-3 folder that vLLM and SGLang load")
+    export.add_argument("--drafter", required=True, help="a drafter folder written by `jaxspec train`")
+    export.add_argument("--out", required=True, help="the folder to write")
+    export.add_argument("--format", choices=("jaxspec", "hf"), default="jaxspec",
+                        help="jaxspec: the same checkpoint with its matrices in --dtype; hf: EAGLE-3 in the public "
+                             "Hugging Face layout (config.json + model.safetensors, d2t/t2d)")
+    export.add_argument("--storage-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="dtype of the written matrices (norms and token ids keep theirs)")
+    add_model_args(export)
     add_bench_parser(sub)
     add_regenerate_parser(sub)
     add_train_parser(sub)
@@ -155,9 +168,18 @@ def cmd_generate(args) -> None:
     eos = set(model.config.eos_token_ids)
     method = build_method(args.method, model, method_options(args))
 
+    if args.speedup and method.drafter is None:
+        raise UserError("--speedup compares a speculative method with autoregressive decoding; add e.g. "
+                        "--method eagle3.")
+    baseline = build_method("autoregressive", model) if args.speedup else None
     if args.json or method.drafter is not None:
         for start in range(0, len(prompts), args.batch_size if args.json else 1):
             rows = prompt_ids[start: start + (args.batch_size if args.json else 1)]
+            ar_result = None
+            if baseline is not None:  # warm-up runs compile both; the timed runs follow
+                method.generate(rows, **options)
+                baseline.generate(rows, **options)
+                ar_result = baseline.generate(rows, **options)
             result = method.generate(rows, **options)
             for i, ids in enumerate(result.token_ids):
                 text_ids = [t for t in ids if t not in eos]
@@ -173,11 +195,24 @@ def cmd_generate(args) -> None:
                     row_accepted = result.accepted[i]
                     stats.update(rounds=result.rounds[i], tau=round(tau([row_accepted]), 3) if row_accepted else None,
                                  accepted_per_round=row_accepted)
+                if ar_result is not None:
+                    ar_rate = sum(map(len, ar_result.token_ids)) / ar_result.seconds  # the whole batch's rate
+                    rate = sum(map(len, result.token_ids)) / result.seconds
+                    stats.update(autoregressive_tokens_per_second=round(ar_rate, 2), speedup=round(rate / ar_rate, 3))
+                    if sampling.temperature == 0:  # greedy: lossless means the very same tokens
+                        stats["same_tokens_as_autoregressive"] = ids == ar_result.token_ids[i]
                 if not args.json:
                     print(text, flush=True)
                     extra = f", tau {stats['tau']}" if method.drafter is not None else ""
                     rate = stats["tokens_per_second"]
-                    print(f"[{len(ids)} tokens in {result.seconds:.2f} s, {rate} tokens/s{extra}]", file=sys.stderr)
+                    print(f"[{method.name}: {len(ids)} tokens in {result.seconds:.2f} s, {rate} tokens/s{extra}]",
+                          file=sys.stderr)
+                    if ar_result is not None:
+                        same = {True: ", identical tokens", False: ", DIFFERENT tokens", None: ""}[
+                            stats.get("same_tokens_as_autoregressive")]
+                        print(f"[speedup {stats['speedup']:.2f}x over autoregressive decoding "
+                              f"({stats['autoregressive_tokens_per_second']} tokens/s{same}; compilation "
+                              "excluded)]", file=sys.stderr)
                     continue
                 record = {
                     "prompt": prompts[start + i],
@@ -213,6 +248,30 @@ def cmd_generate(args) -> None:
               f"compilation included); {rate:.1f} tokens/s after it]", file=sys.stderr)
 
 
+def cmd_export(args) -> None:
+    from jaxspec.checkpoint import convert_drafter_dtype, load_drafter, read_drafter_meta
+
+    if args.format == "jaxspec":
+        out = convert_drafter_dtype(args.drafter, args.out, args.storage_dtype)
+    else:
+        from jaxspec.drafters.eagle_hf import export_eagle3_hf
+        from jaxspec.loading import load_model
+        from jaxspec.methods import _method_config
+
+        meta = read_drafter_meta(args.drafter)
+        if meta["method"] != "eagle3":
+            raise UserError(f"--format hf writes EAGLE-3 drafters; {args.drafter} is a '{meta['method']}' drafter.")
+        target = load_model(args.model, dtype=dtype_from_name(args.dtype), with_tokenizer=False)
+        cfg = _method_config("eagle3", meta["config"]).for_target(target.config)
+        _, params = load_drafter(args.drafter, expected_method="eagle3", target_fingerprint=target.fingerprint(),
+                                 target_source=target.source, abstract_params=cfg.init_params(target.config,
+                                                                                              target.weights))
+        out = export_eagle3_hf(args.out, params, cfg, target.config, dtype=args.storage_dtype,
+                               target_fingerprint=target.fingerprint(), target_source=target.source)
+    size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
+    print(f"Wrote {out} ({size / 1e6:.1f} MB)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -222,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             from jaxspec.bench import cmd_bench
 
             cmd_bench(args)
+        elif args.command == "export":
+            cmd_export(args)
         elif args.command == "regenerate":
             from train.regenerate import cmd_regenerate
 

@@ -36,6 +36,12 @@ def chain_speedup(alpha: float, num_draft: int, cost_ratio: float) -> float:
     return (1 - alpha ** (num_draft + 1)) / ((1 - alpha) * (num_draft * cost_ratio + 1))
 
 
+def theoretical_speedup(tau_value: float, target_layers: int, draft_cost_layers: float) -> float:
+    """tau * L / (C + L): tau tokens per round for one L-layer verification plus C target-layer equivalents of
+    drafting (METHODS.md; C = Ls * m for EAGLE-3, 0 for prompt lookup)."""
+    return tau_value * target_layers / (draft_cost_layers + target_layers)
+
+
 def eagle3_speedup(tau_value: float, target_layers: int, draft_layers: int, draft_steps: int) -> float:
     """tau * L / (Ls * m + L): m draft steps of an Ls-layer head before each L-layer verification."""
     return tau_value * target_layers / (draft_layers * draft_steps + target_layers)

@@ -358,3 +358,37 @@ def test_export_refuses_what_the_format_cannot_hold(tiny_llama3, tmp_path):
     (tmp_path / "busy/model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.warns(UserWarning, match="last layer"), pytest.raises(UserError, match="empty folder"):
         export_eagle3_hf(tmp_path / "busy", params, cfg, model.config)
+
+
+def test_export_cli_and_loading_both_formats_as_drafter(tiny_llama3, tmp_path, capsys):
+    """`jaxspec export` writes a bfloat16 jaxspec checkpoint (what jaxspec ships) and a Hugging Face folder; both load
+    through `--drafter` (build_method), draft identically (the same bf16-rounded weights) and decode losslessly."""
+    from conftest import fixture_path
+
+    from jaxspec.checkpoint import save_drafter
+    from jaxspec.cli import main
+    from jaxspec.configs import to_dict
+    from jaxspec.generate import generate
+    from jaxspec.methods import MethodOptions, build_method
+
+    _, model, ref = tiny_llama3
+    cfg, params = _head(model)
+    source = save_drafter(tmp_path / "trained", method="eagle3", drafter_config=to_dict(cfg), params=params,
+                          target_fingerprint=model.fingerprint(), target_source=model.source)
+    tiny = fixture_path("tiny-llama3")
+    assert main(["export", "--drafter", str(source), "--out", str(tmp_path / "bf16"), "--model", tiny]) == 0
+    assert main(["export", "--drafter", str(source), "--out", str(tmp_path / "hf"), "--format", "hf",
+                 "--model", tiny]) == 0
+    assert "Wrote" in capsys.readouterr().out
+    stored = load_file(str(tmp_path / "bf16" / "params.safetensors"))
+    assert stored["fc"].dtype.name == "bfloat16" and stored["d2t"].dtype == np.float32  # ids stay exact
+    prompts = [ref["input_ids"][0, :7].tolist(), ref["input_ids"][1, :19].tolist()]
+    expected = generate(model.weights, model.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
+    results = []
+    for folder in ("bf16", "hf"):
+        method = build_method("eagle3", model, MethodOptions(drafter=str(tmp_path / folder)))
+        result = method.generate(prompts, max_new_tokens=16, eos_ids=())
+        assert result.token_ids == expected
+        results.append(result.accepted)
+    assert results[0] == results[1]  # the same rounded head in both formats: the same drafts, the same acceptance
+    assert main(["export", "--drafter", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2

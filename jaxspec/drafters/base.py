@@ -72,6 +72,11 @@ class Drafter:
     def check_compatible(self, params: Any, target_cfg: ModelConfig, target_tokenizer: Any = None) -> None:
         """Raises UserError when this drafter cannot serve this target (another vocabulary, another model)."""
 
+    def draft_cost_layers(self, target_cfg: ModelConfig) -> float:
+        """Drafting work per round in target-layer equivalents (Ls * m of METHODS.md's theoretical speedup
+        tau * L / (Ls * m + L)); 0 for drafters whose work is negligible (prompt lookup, Medusa's heads)."""
+        return 0.0
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChainDrafter(Drafter):

@@ -30,6 +30,12 @@ class DraftModelDrafter(ChainDrafter):
     draft_cfg: ModelConfig
     name: str = "draft-model"
 
+    def draft_cost_layers(self, target_cfg):
+        # `depth` runs of the draft model, its layers weighed by width against the target's
+        width = (self.draft_cfg.hidden_size * self.draft_cfg.intermediate_size) / (
+            target_cfg.hidden_size * target_cfg.intermediate_size)
+        return float(self.draft_cfg.num_layers * width * self.depth)
+
     def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
         cache = init_cache(self.draft_cfg, prompt_tokens.shape[0], cache_size, params.embed.dtype)
         _, _, cache = prefill(params, self.draft_cfg, prompt_tokens, prompt_lengths, cache)

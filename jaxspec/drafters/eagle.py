@@ -596,6 +596,9 @@ class Eagle3Drafter(Drafter):
         hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
         return dataclasses.replace(state, pending=fuse_features(params, hidden).astype(state.pending.dtype))
 
+    def draft_cost_layers(self, target_cfg):
+        return float(self.depth)  # one decoder layer, `depth` forwards per round (m = depth, Ls = 1)
+
     def check_compatible(self, params, target_cfg, target_tokenizer=None):
         d = target_cfg.hidden_size
         if params.fc.shape != (len(self.target_layers) * d, d):

@@ -29,6 +29,9 @@ class EarlyExitDrafter(ChainDrafter):
                 f"got {self.exit_layer}."
             )
 
+    def draft_cost_layers(self, target_cfg):
+        return float(self.exit_layer * self.depth)  # `depth` runs of the first exit_layer layers
+
     def propose(self, params, state, inputs: RoundInputs, target_cfg, sampling, rng):
         weights = inputs.target_weights
 
