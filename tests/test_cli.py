@@ -124,3 +124,28 @@ def test_no_prompt(capsys):
 
 def test_weights_only_folder_cannot_take_text(capsys):
     _assert_user_error(capsys, ["generate", "--model", fixture_path("tiny-llama3"), "--prompt", "hi"], "no tokenizer")
+
+
+def test_shipped_eagle3_drafter_reproduces_transformers_greedy(smollm2, smollm2_reference, capsys, tmp_path):
+    """`--method eagle3` with no --drafter uses the drafter shipped in the package (bf16, at most 20 MB, made for this
+    exact target); its greedy output is transformers' greedy output, and --speedup reports the comparison."""
+    from jaxspec.checkpoint import read_drafter_meta
+    from jaxspec.methods import shipped_drafter
+
+    folder = shipped_drafter("eagle3", smollm2)
+    assert folder is not None and read_drafter_meta(folder)["target"]["fingerprint"] == smollm2.fingerprint()
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    assert size <= 20e6
+    ref = smollm2_reference
+    prompts = json.loads(str(ref["prompts"]))[:2]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    code, out, err = _run(capsys, "generate", "--method", "eagle3", "--prompts-file", str(path), "--json",
+                          "--max-new-tokens", "48", "--batch-size", "2", "--speedup")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    for i, record in enumerate(records):
+        assert record["token_ids"] == ref[f"greedy_{i}"].reshape(-1).tolist()
+        stats = record["stats"]
+        assert stats["method"] == "eagle3" and stats["tau"] >= 1 and stats["same_tokens_as_autoregressive"]
+        assert stats["speedup"] > 0 and stats["autoregressive_tokens_per_second"] > 0

@@ -63,8 +63,9 @@ EAGLE-1 and EAGLE-2 are the same module with other settings (methods `eagle` and
   feeds concat(embedding, feature) through an FC into a standard decoder layer; here that FC is folded into the
   layer's q/k/v projections and the residual stream is the feature itself, EAGLE-3's layer layout.)
 - training: `feature_loss_weight` (EAGLE-1: 1.0) adds smooth-L1 regression of the head's output onto the target's
-  next feature, beside the token loss (`token_loss_weight`, EAGLE-1: 0.1), with uniform feature noise
-  (`feature_noise`, EAGLE-1: 0.1); `ttt_steps: 1` is EAGLE-1's teacher forcing.
+  next feature (both through the final norm, as EAGLE-1 regresses normed last hidden states), beside the token
+  loss (`token_loss_weight`, EAGLE-1: 0.1), with uniform feature noise (`feature_noise`, EAGLE-1: 0.1);
+  `ttt_steps: 1` is EAGLE-1's teacher forcing.
 - `eagle` drafts a static tree (`tree_choices`, Medusa-style paths of child ranks, e.g. [[0], [1], [0, 0]]): level
   by level the head runs on the nodes that have children, each attending to the cache and its ancestors, and node
   j's token is the rank-r token of its parent's draft distribution. `eagle2` drafts EAGLE-2's dynamic tree with the
@@ -678,7 +679,9 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
         loss_mask: bool[B, S] (True at t when token t + 1 is a response token).
         steps: unrolled steps; kind: see `jaxspec.losses`; decay / gamma: step weights decay^i or exp(-gamma i).
         feature_weight: EAGLE-1's feature regression: smooth L1 between the step-i output at column t and the
-            target's feature (n = 1) at position t + i + 1; when > 0, fc, the final norm and the LM head are frozen.
+            target's feature (n = 1) at position t + i + 1, both after the final norm (EAGLE-1 regresses the
+            target's normed last hidden state; the pre-norm residual stream has outliers in the hundreds); when
+            > 0, fc, the final norm and the LM head are frozen.
         token_weight: weight of the token loss. noise: uniform feature noise amplitude (needs `key`).
     Returns:
         (loss, metrics: loss_step{i} and acc_step{i}, the draft argmax (as a target id) equal to the target's;
@@ -702,8 +705,10 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
         mask = _shift(loss_mask, i + 1, False)  # [B, S]: loss_mask[t + i + 1]
         token_loss = masked_mean(per_position_loss(kind, step_logits, _shift(restricted, i + 1, 0.0)), mask)
         losses.append(token_weight * token_loss)
-        if feature_weight > 0:
-            error = outputs[i] - _shift(hidden[0].astype(outputs[i].dtype), i + 1, 0.0)  # [B, S, d]
+        if feature_weight > 0:  # in the LM head's input space: both through the (frozen) final norm
+            eps = target_cfg.rms_norm_eps
+            error = (rms_norm(outputs[i], params.final_norm, eps)
+                     - rms_norm(_shift(hidden[0], i + 1, 0.0).astype(outputs[i].dtype), params.final_norm, eps))
             smooth_l1 = jnp.where(jnp.abs(error) < 1.0, 0.5 * error ** 2, jnp.abs(error) - 0.5).mean(-1)  # [B, S]
             metrics[f"feature_step{i}"] = masked_mean(smooth_l1, mask)
             losses[-1] = losses[-1] + feature_weight * metrics[f"feature_step{i}"]
