@@ -43,10 +43,15 @@ class LoadedModel:
     source: str
 
     def fingerprint(self) -> str:
-        """A short hash of the config and weights, to tie drafters and data to this exact target."""
+        """A short hash of the config and weights, to tie drafters and data to this exact target.
+
+        The weights are hashed rounded to bfloat16, so the same checkpoint loaded in float32 (CPU) or bfloat16
+        (TPU/GPU) has one fingerprint: a drafter trained on one device type serves the same target on another."""
+        import ml_dtypes
+
         h = hashlib.sha256(json.dumps(self.config.to_hf_dict(), sort_keys=True).encode())
         for leaf in jax.tree.leaves(self.weights):
-            arr = np.asarray(leaf[..., :8] if leaf.ndim else leaf, dtype=np.float32)
+            arr = np.asarray(leaf[..., :8] if leaf.ndim else leaf).astype(ml_dtypes.bfloat16).astype(np.float32)
             h.update(str(leaf.shape).encode())
             h.update(arr.tobytes())
         return h.hexdigest()[:16]

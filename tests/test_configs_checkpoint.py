@@ -467,3 +467,18 @@ def test_corrupt_or_missing_drafter_checkpoint_is_a_user_error(tmp_path):
     os.remove(meta_file)
     with pytest.raises(UserError, match="jaxspec_drafter.json is missing"):
         load_drafter(d)
+
+
+def test_target_fingerprint_is_the_same_in_float32_and_bfloat16():
+    """A drafter trained on CPU (float32 target) is found for the same target on TPU/GPU (bfloat16), and a changed
+    weight changes the fingerprint."""
+    from conftest import fixture_path
+
+    from jaxspec import load_model
+
+    f32 = load_model(fixture_path("tiny-llama3"), dtype=jnp.float32)
+    bf16 = load_model(fixture_path("tiny-llama3"), dtype=jnp.bfloat16)
+    assert f32.fingerprint() == bf16.fingerprint()
+    embed = f32.weights.embed.at[0, 0].add(1.0)
+    changed = dataclasses.replace(f32, weights=dataclasses.replace(f32.weights, embed=embed))
+    assert changed.fingerprint() != f32.fingerprint()
