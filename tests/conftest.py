@@ -63,3 +63,11 @@ def tiny_data(tmp_path_factory):
     regenerate_ids(target, prompts, out, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
                    progress=False)
     return target, out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops jit caches after each test module: one process compiles hundreds of programs (several for the real
+    SmolLM2 per module), and keeping all of them resident made a late XLA compilation crash once in CI."""
+    yield
+    jax.clear_caches()
