@@ -1,0 +1,348 @@
+"""A tree budget that follows load: `--budget auto` picks how many nodes B a tree drafter verifies per round.
+
+Cost model: one target forward over a chain of T + 1 tokens (the root and T drafted nodes) on top of a cache of
+`context` committed tokens is timed on this device for a small grid of batch sizes and token counts (the median of a
+few calls after one compiling call). `CostModel.verify_seconds` interpolates that grid piecewise-linearly in
+(log batch, log tokens, log seconds). The grid is measured once per device, weights dtype and target (its
+fingerprint) and cached as JSON in $JAXSPEC_CACHE_DIR (default ~/.cache/jaxspec), file
+`cost-model-{device}-{fingerprint}.json`; delete that file, or pass another path, to measure again.
+
+Choice rule: a round at budget B accepts tau(B) tokens per row on average and costs one verification forward of
+B + 1 tokens per row (plus drafting, if the caller knows its cost), so throughput(B) = batch * tau(B) / seconds(B).
+The budget with the highest throughput wins (ties go to the smaller budget). At batch 1 the forward is bound by
+reading the weights, so extra nodes are nearly free and a large budget wins; at large batches it is bound by
+compute, every node costs time and a small budget wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxspec.cache import KVCache, init_cache
+from jaxspec.config import ModelConfig
+from jaxspec.errors import UserError
+from jaxspec.model import Weights
+from jaxspec.tree import DraftTree, chain_parents
+from jaxspec.verification import verify_forward
+
+DEFAULT_BATCH_SIZES = (1, 4, 16)
+DEFAULT_TOKEN_COUNTS = (1, 9, 17, 33, 65, 129)
+DEFAULT_CONTEXT = 256
+DEFAULT_BUDGETS = (8, 16, 32, 64, 128)
+# A placeholder, not a measurement: tau(B) = 1 + 0.3 * log2(1 + B) gives about 2 tokens per round at B = 8 and 3 at
+# B = 128, the shape (not the level) of what tree drafters report. Pass measured taus to `choose_budget` instead.
+DEFAULT_TAU_GAIN = 0.3
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Seconds of one verification forward on one device, on a grid of batch sizes x tokens per row.
+
+    device: where it was measured (platform, device kind, weights dtype); model: the target's fingerprint;
+    batch_sizes: ascending; token_counts: tokens per row of one forward (T + 1), ascending, normally starting at 1;
+    seconds: [len(batch_sizes)][len(token_counts)]; context: committed tokens in the cache while timing (None when
+    unknown, e.g. a hand-made model).
+    """
+
+    device: str
+    model: str
+    batch_sizes: list[int]
+    token_counts: list[int]
+    seconds: list[list[float]]  # [len(batch_sizes), len(token_counts)]
+    context: int | None = None
+
+    def __post_init__(self):
+        self.batch_sizes = [int(b) for b in self.batch_sizes]
+        self.token_counts = [int(t) for t in self.token_counts]
+        self.seconds = [[float(s) for s in row] for row in self.seconds]
+        for name, grid in (("batch_sizes", self.batch_sizes), ("token_counts", self.token_counts)):
+            if not grid or grid[0] < 1 or any(a >= b for a, b in zip(grid, grid[1:])):
+                raise UserError(f"A cost model's {name} must be positive and strictly ascending; got {grid}.")
+        shape = (len(self.batch_sizes), len(self.token_counts))
+        if len(self.seconds) != shape[0] or any(len(row) != shape[1] for row in self.seconds):
+            raise UserError(f"A cost model's seconds must be a {shape[0]} x {shape[1]} grid (batch sizes x tokens).")
+        if not all(math.isfinite(s) and s > 0 for row in self.seconds for s in row):
+            raise UserError("A cost model's seconds must all be positive and finite.")
+
+    def verify_seconds(self, batch: int, tokens: int) -> float:
+        """Seconds of one verification forward of `batch` rows x `tokens` tokens per row.
+
+        Piecewise-linear in (log batch, log tokens) -> log seconds over the grid: exact at grid points, a power law
+        between neighbours. Below the grid's first batch size or token count the edge value is kept; past the last
+        one the last segment's power law continues (never decreasing, so noise cannot make large shapes cheap).
+        """
+        if batch < 1 or tokens < 1:
+            raise UserError(f"verify_seconds needs batch >= 1 and tokens >= 1; got batch={batch}, tokens={tokens}.")
+        log_tokens = [math.log(t) for t in self.token_counts]
+        per_batch = [_interpolate(log_tokens, [math.log(s) for s in row], math.log(tokens)) for row in self.seconds]
+        log_batches = [math.log(b) for b in self.batch_sizes]
+        return math.exp(_interpolate(log_batches, per_batch, math.log(batch)))
+
+    def covers(self, batch_sizes: Sequence[int], token_counts: Sequence[int]) -> bool:
+        """Whether every requested batch size and token count was measured."""
+        return set(batch_sizes) <= set(self.batch_sizes) and set(token_counts) <= set(self.token_counts)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        """Parses `to_json`'s output; raises ValueError (json or UserError) when it is malformed."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise UserError("A cost model file must hold a JSON object.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data and n != "context"]
+        if missing:
+            raise UserError(f"A cost model file lacks {', '.join(missing)}.")
+        return cls(**{n: data[n] for n in names if n in data})
+
+    def save(self, path: str) -> None:
+        """Writes the JSON to `path` (creating folders), through a temporary file so a crash leaves no half file."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> CostModel:
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear y(x) through (xs, ys), xs ascending: held flat below xs[0], the last segment continued (with
+    a slope of at least 0) past xs[-1]."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (x - xs[-1])
+    i = int(np.searchsorted(xs, x, side="right")) - 1  # xs[i] <= x < xs[i + 1]
+    return ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (x - xs[i])
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def device_name(dtype=None) -> str:
+    """The first device as platform-kind[-dtype], e.g. "gpu-NVIDIA H200-bfloat16" (dtype: the weights')."""
+    device = jax.devices()[0]
+    name = f"{device.platform}-{device.device_kind}"
+    return name if dtype is None else f"{name}-{jnp.dtype(dtype).name}"
+
+
+def _verify_logits(weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree):
+    """(logits [B, T+1, V], cache): the verification forward as the decoding loop runs it, cache updated in place."""
+    out = verify_forward(weights, cfg, cache, root, tree)
+    return out.logits, out.cache
+
+
+# The cache is donated, as in the decoding loop: without donation XLA copies the whole cache every call.
+_verify_logits_jit = jax.jit(_verify_logits, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+def measure_cost_model(
+    target,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
+    context: int = DEFAULT_CONTEXT,
+    repeats: int = 3,
+    progress: bool = True,
+) -> CostModel:
+    """Times the target's verification forward on this device for every batch size x token count.
+
+    Each shape runs a chain tree of T = tokens - 1 nodes over a cache holding `context` tokens per row; one call
+    compiles (not timed), then the median of `repeats` timed calls is kept.
+
+    Args:
+        target: a `jaxspec.loading.LoadedModel`.
+        batch_sizes: rows per forward. token_counts: tokens per row (T + 1); 1 (plain decoding) is always added.
+        context: committed tokens in the cache, the attention length the forward reads.
+        repeats: timed calls per shape.
+        progress: Show a tqdm bar on stderr.
+    """
+    batch_sizes = sorted(set(int(b) for b in batch_sizes))
+    token_counts = sorted(set(int(t) for t in token_counts) | {1})
+    if not batch_sizes or batch_sizes[0] < 1 or token_counts[0] < 1:
+        raise UserError(f"Batch sizes and token counts must be positive; got {batch_sizes} and {token_counts}.")
+    if context < 0 or repeats < 1:
+        raise UserError(f"The context must be >= 0 and repeats >= 1; got context={context}, repeats={repeats}.")
+    weights, cfg = target.weights, target.config
+    seconds = []  # [len(batch_sizes), len(token_counts)]
+    with tqdm(total=len(batch_sizes) * len(token_counts), desc="cost model", unit="shape", disable=not progress,
+              file=sys.stderr) as bar:
+        for b in batch_sizes:
+            cache = init_cache(cfg, b, context + max(token_counts) + 1, weights.embed.dtype)
+            cache = dataclasses.replace(cache, lengths=jnp.full((b,), context, jnp.int32))
+            root = jnp.zeros((b,), jnp.int32)  # [B]
+            row = []
+            for tokens in token_counts:
+                num_nodes = tokens - 1
+                tree = DraftTree(
+                    tokens=jnp.zeros((b, num_nodes), jnp.int32),  # [B, T]
+                    parents=jnp.broadcast_to(jnp.asarray(chain_parents(num_nodes)), (b, num_nodes)),  # [B, T]
+                    valid=jnp.ones((b, num_nodes), jnp.bool_),  # [B, T]
+                )
+                logits, cache = _verify_logits_jit(weights, cfg, cache, root, tree)  # compiles
+                jax.block_until_ready(logits)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    logits, cache = _verify_logits_jit(weights, cfg, cache, root, tree)
+                    jax.block_until_ready(logits)
+                    times.append(time.perf_counter() - start)
+                row.append(statistics.median(times))
+                bar.update(1)
+            seconds.append(row)
+            del cache
+    return CostModel(
+        device=device_name(weights.embed.dtype),
+        model=target.fingerprint(),
+        batch_sizes=batch_sizes,
+        token_counts=token_counts,
+        seconds=seconds,
+        context=context,
+    )
+
+
+def cost_model_path(target, device: str | None = None) -> str:
+    """Where the cost model of `target` on `device` (default: this one, with the weights' dtype) is cached."""
+    device = device_name(target.weights.embed.dtype) if device is None else device
+    folder = os.environ.get("JAXSPEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec")
+    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "_", device)
+    return os.path.join(folder, f"cost-model-{safe_device}-{target.fingerprint()}.json")
+
+
+def load_or_measure_cost_model(target, path: str | None = None, progress: bool = True, **measure_kwargs) -> CostModel:
+    """The cached cost model of `target` on this device, measured (and cached) first when there is none.
+
+    A cached file is used when it was measured on this device for this target, covers the requested batch sizes and
+    token counts, and used the same context; otherwise (or when it cannot be read) the model is measured again and
+    the file rewritten.
+
+    Args:
+        target: a `jaxspec.loading.LoadedModel`.
+        path: the JSON file; default `cost_model_path(target)`.
+        progress: Show a progress bar while measuring.
+        **measure_kwargs: batch_sizes, token_counts, context, repeats, passed to `measure_cost_model`.
+    """
+    path = cost_model_path(target) if path is None else path
+    batch_sizes = measure_kwargs.get("batch_sizes", DEFAULT_BATCH_SIZES)
+    token_counts = set(measure_kwargs.get("token_counts", DEFAULT_TOKEN_COUNTS)) | {1}
+    context = measure_kwargs.get("context", DEFAULT_CONTEXT)
+    if os.path.exists(path):
+        try:
+            cached = CostModel.load(path)
+        except (OSError, ValueError, TypeError) as e:  # json and UserError are ValueErrors
+            print(f"jaxspec: the cost model cache '{path}' is unreadable ({e}); measuring again.", file=sys.stderr)
+        else:
+            if (cached.device == device_name(target.weights.embed.dtype) and cached.model == target.fingerprint()
+                    and cached.covers(batch_sizes, token_counts) and cached.context == context):
+                return cached
+    cost = measure_cost_model(target, progress=progress, **measure_kwargs)
+    cost.save(path)
+    print(f"jaxspec: verification cost model cached in {path} (delete it to measure again)", file=sys.stderr)
+    return cost
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+
+
+def tau_model(budget: int, gain: float = DEFAULT_TAU_GAIN) -> float:
+    """Expected tokens per round (accepted + bonus) at tree budget B: 1 + gain * log2(1 + B), a placeholder shape."""
+    return 1.0 + gain * math.log2(1 + budget)
+
+
+def _tau_function(tau) -> Callable[[int], float]:
+    """budget -> tau from None (tau_model), a gain, a callable, or a dict {budget: measured tau}."""
+    if tau is None:
+        return tau_model
+    if isinstance(tau, dict):
+        if not tau:
+            raise UserError("The measured taus are empty; pass at least one {budget: tau} pair, or none at all.")
+        known = sorted((int(b), float(t)) for b, t in tau.items())
+        if known[0][0] < 1:
+            raise UserError(f"Measured taus need budgets >= 1; got {known[0][0]}.")
+        log_budgets, taus = [math.log2(b) for b, _ in known], [t for _, t in known]
+        return lambda budget: float(np.interp(math.log2(budget), log_budgets, taus))  # clamped at both ends
+    if callable(tau):
+        return tau
+    if isinstance(tau, (int, float)) and not isinstance(tau, bool):
+        return lambda budget: tau_model(budget, float(tau))
+    raise UserError(f"tau must be None, a gain, a function of the budget or a dict {{budget: tau}}; got {tau!r}.")
+
+
+def choose_budget(
+    cost: CostModel,
+    batch: int,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    tau=None,
+    draft_seconds: Callable[[int, int], float] | None = None,
+) -> tuple[int, list[dict]]:
+    """The tree budget with the highest throughput at this batch size, and the table behind the choice.
+
+    throughput(B) = batch * tau(B) / (cost.verify_seconds(batch, B + 1) + draft_seconds(batch, B)) tokens/s.
+
+    Args:
+        cost: the device's verification cost model.
+        batch: rows decoded together.
+        budgets: candidate numbers of drafted nodes per round.
+        tau: expected tokens per round at budget B: None (`tau_model`), a gain for `tau_model`, a callable B -> tau,
+            or a dict {B: measured tau} (other budgets interpolated in log2(B), held flat past the ends).
+        draft_seconds: (batch, B) -> seconds of drafting per round; None for 0.
+
+    Returns:
+        (chosen budget, rows): one dict per budget, ascending, with "budget", "tau", "verify_seconds",
+        "tokens_per_second" and "chosen". Ties go to the smaller budget.
+    """
+    if batch < 1:
+        raise UserError(f"The batch size must be at least 1 to choose a tree budget; got {batch}.")
+    budgets = sorted(set(int(b) for b in budgets))
+    if not budgets or budgets[0] < 1:
+        raise UserError(f"Candidate tree budgets must be a non-empty list of positive integers; got {budgets}.")
+    tau_of = _tau_function(tau)
+    rows = []
+    for budget in budgets:
+        expected = float(tau_of(budget))
+        if not expected > 0:
+            raise UserError(f"tau at budget {budget} is {expected}; expected tokens per round must be positive.")
+        verify = cost.verify_seconds(batch, budget + 1)
+        draft = 0.0 if draft_seconds is None else float(draft_seconds(batch, budget))
+        rows.append({
+            "budget": budget,
+            "tau": expected,
+            "verify_seconds": verify,
+            "tokens_per_second": batch * expected / (verify + draft),
+            "chosen": False,
+        })
+    best = rows[0]
+    for row in rows[1:]:  # ascending, strictly better only: ties keep the smaller budget
+        if row["tokens_per_second"] > best["tokens_per_second"]:
+            best = row
+    best["chosen"] = True
+    return best["budget"], rows
+
+
+def format_budget_table(rows: list[dict]) -> str:
+    """A plain-text table of `choose_budget`'s rows, the chosen one marked with '*'."""
+    lines = [f"{'budget':>7} {'tau':>6} {'verify ms':>10} {'tokens/s':>10}"]
+    for row in rows:
+        mark = "  *" if row["chosen"] else ""
+        lines.append(f"{row['budget']:>7} {row['tau']:>6.2f} {row['verify_seconds'] * 1e3:>10.3f} "
+                     f"{row['tokens_per_second']:>10.1f}{mark}")
+    return "\n".join(lines)

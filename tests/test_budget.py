@@ -1,0 +1,158 @@
+"""The tree budget that follows load: cost-model interpolation, the choice rule on hand-made costs, measuring and
+caching on the tiny Llama-3, and clear refusals."""
+
+import json
+import math
+import os
+
+import pytest
+
+from jaxspec import budget
+from jaxspec.budget import (
+    CostModel,
+    choose_budget,
+    cost_model_path,
+    format_budget_table,
+    load_or_measure_cost_model,
+    measure_cost_model,
+    tau_model,
+)
+from jaxspec.errors import UserError
+
+TOKENS = [1, 9, 17, 33, 65, 129]
+
+
+def _hand_made_costs() -> CostModel:
+    """Batch 1: 1 ms flat up to 33 tokens, then linear (memory-bound); batch 16: 1 ms + 0.1 ms per token."""
+    batch_1 = [1e-3, 1e-3, 1e-3, 1e-3, 2e-3, 4e-3]
+    batch_16 = [1e-3 + 1e-4 * t for t in TOKENS]
+    return CostModel(device="test", model="abc", batch_sizes=[1, 16], token_counts=TOKENS, seconds=[batch_1, batch_16])
+
+
+def test_verify_seconds_is_exact_on_the_grid_log_linear_between_and_monotone():
+    cost = CostModel(device="test", model="abc", batch_sizes=[1, 4, 16], token_counts=[1, 9, 33],
+                     seconds=[[1.0, 2.0, 4.0], [2.0, 3.0, 8.0], [4.0, 9.0, 16.0]])
+    for i, b in enumerate(cost.batch_sizes):
+        for j, t in enumerate(cost.token_counts):
+            assert cost.verify_seconds(b, t) == pytest.approx(cost.seconds[i][j], rel=1e-12)
+    # halfway in log space is the geometric mean of the neighbours, along either axis and both at once
+    assert cost.verify_seconds(1, 3) == pytest.approx(math.sqrt(1.0 * 2.0))
+    assert cost.verify_seconds(2, 9) == pytest.approx(math.sqrt(2.0 * 3.0))
+    assert cost.verify_seconds(8, 3 * math.sqrt(33)) == pytest.approx((3.0 * 8.0 * 9.0 * 16.0) ** 0.25)
+    # outside the grid: the last power law continued above (batch 64 from 4 -> 16 doubling per 4x), held below
+    assert cost.verify_seconds(64, 33) == pytest.approx(32.0)
+    assert cost.verify_seconds(1, 66) == pytest.approx(4.0 * 2 ** (math.log(2) / math.log(33 / 9)))
+    for b in (1, 2, 3, 4, 7, 16, 40):
+        times = [cost.verify_seconds(b, t) for t in range(1, 80)]
+        assert all(x <= y for x, y in zip(times, times[1:]))
+    for t in (1, 5, 9, 20, 33, 50):
+        times = [cost.verify_seconds(b, t) for b in range(1, 40)]
+        assert all(x <= y for x, y in zip(times, times[1:]))
+    upper = CostModel(device="test", model="abc", batch_sizes=[4, 16], token_counts=[9, 33],
+                      seconds=[[3.0, 8.0], [9.0, 16.0]])
+    assert upper.verify_seconds(1, 1) == pytest.approx(3.0) and upper.verify_seconds(2, 5) == pytest.approx(3.0)
+    # a cost that falls past the grid's edge (noise) is held, never extrapolated downwards
+    noisy = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=[1, 9], seconds=[[2.0, 1.0]])
+    assert noisy.verify_seconds(1, 100) == pytest.approx(1.0)
+
+
+def test_json_round_trip():
+    cost = _hand_made_costs()
+    assert CostModel.from_json(cost.to_json()) == cost
+
+
+def test_batch_1_picks_a_large_budget_and_batch_16_a_small_one():
+    cost = _hand_made_costs()
+    taus = {8: 2.0, 16: 2.4, 32: 2.7, 64: 2.9, 128: 3.0}
+    # batch 1: verify 1, 1, 1, 2, 4 ms -> 2000, 2400, 2700, 1450, 750 tokens/s: 32 wins
+    chosen, rows = choose_budget(cost, 1, tau=taus)
+    assert chosen == 32
+    assert [r["budget"] for r in rows] == [8, 16, 32, 64, 128]
+    assert [r["tokens_per_second"] for r in rows] == pytest.approx([2000, 2400, 2700, 1450, 750])
+    assert [r["chosen"] for r in rows] == [False, False, True, False, False]
+    # batch 16: verify 1.9, 2.7, 4.3, 7.5, 13.9 ms -> 16 * tau / s = 16842, 14222, 10047, 6187, 3453: 8 wins
+    chosen, rows = choose_budget(cost, 16, tau=taus)
+    assert chosen == 8
+    assert [r["verify_seconds"] for r in rows] == pytest.approx([1.9e-3, 2.7e-3, 4.3e-3, 7.5e-3, 13.9e-3])
+    assert rows[0]["tokens_per_second"] == pytest.approx(16 * 2.0 / 1.9e-3)
+    table = format_budget_table(rows)
+    assert len(table.splitlines()) == 6 and table.splitlines()[1].endswith("*")
+
+
+def test_tau_forms_draft_time_and_ties():
+    cost = _hand_made_costs()
+    # a dict is interpolated in log2(budget) and held at its ends
+    _, rows = choose_budget(cost, 1, budgets=(4, 16, 64), tau={8: 2.0, 32: 3.0})
+    assert [r["tau"] for r in rows] == pytest.approx([2.0, 2.5, 3.0])
+    # a gain or nothing: the placeholder model
+    _, rows = choose_budget(cost, 1, budgets=(15,), tau=0.5)
+    assert rows[0]["tau"] == pytest.approx(1 + 0.5 * 4) == pytest.approx(tau_model(15, 0.5))
+    _, rows = choose_budget(cost, 1, budgets=(15,))
+    assert rows[0]["tau"] == pytest.approx(tau_model(15)) == pytest.approx(1 + budget.DEFAULT_TAU_GAIN * 4)
+    # equal throughput everywhere (flat cost, constant tau): the smallest budget
+    assert choose_budget(cost, 1, budgets=(32, 8, 16), tau=lambda b: 2.0)[0] == 8
+    # drafting at 0.1 ms per node pushes batch 1 from 32 down to 8: 2.0 / 1.8 ms > 2.4 / 2.6 ms > 2.7 / 4.2 ms
+    chosen, rows = choose_budget(cost, 1, tau={8: 2.0, 16: 2.4, 32: 2.7, 64: 2.9, 128: 3.0},
+                                 draft_seconds=lambda b, n: 1e-4 * n)
+    assert chosen == 8
+    assert [r["tokens_per_second"] for r in rows[:3]] == pytest.approx([2.0 / 1.8e-3, 2.4 / 2.6e-3, 2.7 / 4.2e-3])
+
+
+def test_user_errors():
+    cost = _hand_made_costs()
+    with pytest.raises(UserError, match="batch size"):
+        choose_budget(cost, 0)
+    with pytest.raises(UserError, match="budgets"):
+        choose_budget(cost, 1, budgets=())
+    with pytest.raises(UserError, match="budgets"):
+        choose_budget(cost, 1, budgets=(8, 0))
+    with pytest.raises(UserError, match="taus are empty"):
+        choose_budget(cost, 1, tau={})
+    with pytest.raises(UserError, match="tau must be"):
+        choose_budget(cost, 1, tau="fast")
+    with pytest.raises(UserError, match="batch >= 1"):
+        cost.verify_seconds(0, 9)
+    with pytest.raises(UserError, match="ascending"):
+        CostModel(device="test", model="abc", batch_sizes=[4, 1], token_counts=[1], seconds=[[1.0], [1.0]])
+    with pytest.raises(UserError, match="grid"):
+        CostModel(device="test", model="abc", batch_sizes=[1], token_counts=[1, 9], seconds=[[1.0]])
+    with pytest.raises(UserError, match="positive"):
+        CostModel(device="test", model="abc", batch_sizes=[1], token_counts=[1], seconds=[[0.0]])
+
+
+def test_measure_cache_reuse_and_corrupt_cache(tiny_llama3, tmp_path, monkeypatch, capsys):
+    _, model, _ = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    grid = dict(batch_sizes=(1, 2), token_counts=(1, 3), context=8, repeats=1)
+    path = cost_model_path(model)
+    assert path.startswith(str(tmp_path / "cache")) and model.fingerprint() in os.path.basename(path)
+
+    cost = load_or_measure_cost_model(model, progress=False, **grid)
+    assert os.path.isfile(path) and path in capsys.readouterr().err
+    assert cost.batch_sizes == [1, 2] and cost.token_counts == [1, 3] and cost.context == 8
+    assert cost.model == model.fingerprint() and all(s > 0 for row in cost.seconds for s in row)
+    assert CostModel.load(path) == cost
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured although the cache holds the model")
+
+    with monkeypatch.context() as m:
+        m.setattr(budget, "measure_cost_model", no_measuring)
+        assert load_or_measure_cost_model(model, progress=False, **grid) == cost
+        assert load_or_measure_cost_model(model, progress=False, batch_sizes=(2,), token_counts=(3,), context=8) == cost
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return measure_cost_model(*args, **kwargs)
+
+    monkeypatch.setattr(budget, "measure_cost_model", counting)
+    with open(path, "w") as f:
+        f.write("{not json")
+    again = load_or_measure_cost_model(model, progress=False, **grid)
+    assert len(calls) == 1 and "unreadable" in capsys.readouterr().err
+    assert again.token_counts == [1, 3] and json.load(open(path))["model"] == model.fingerprint()
+    # a grid the cache does not cover is measured
+    bigger = load_or_measure_cost_model(model, progress=False, **{**grid, "token_counts": (1, 5)})
+    assert len(calls) == 2 and bigger.token_counts == [1, 5]
