@@ -79,6 +79,18 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _budget_list(text: str) -> list:
+    """--budget in the bench: a comma list of positive integers and 'auto', e.g. 8,16,32,64,auto."""
+    values = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        if x != "auto" and not (x.isdigit() and int(x) > 0):
+            raise argparse.ArgumentTypeError(f"expected positive integers or 'auto' separated by commas, got '{text}'")
+        values.append(x if x == "auto" else int(x))
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one budget")
+    return values
+
+
 def _name_list(text: str) -> list[str]:
     return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))  # unique, in order
 
@@ -112,6 +124,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=_int_list, default=None,
                    help="drafted tokens per round; a comma list sweeps K, e.g. 2,4,8 (default per method: "
                         "draft-model 4, prompt-lookup 4, early-exit 3)")
+    p.add_argument("--budget", type=_budget_list, default=None,
+                   help="tree budgets to sweep, e.g. 8,16,32,64,auto: ddtree/jetspec nodes per round (auto: chosen per "
+                        "batch size from the device's cost model), dflash chain length (<= block size), eagle2/eagle3 "
+                        "tree nodes N")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the plots (default bench_out/)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers' generate and prompt lookup")
     return p
@@ -127,6 +143,12 @@ def method_k(method: Method) -> int | None:
     return int(getattr(method.drafter, "depth", None) or method.drafter.num_nodes)
 
 
+def method_nodes(method: Method, batch_size: int = 1) -> int | None:
+    """Drafted nodes verified per round (the tree budget) at this batch size; None for autoregressive."""
+    drafter = method.drafter_for_batch(batch_size)
+    return None if drafter is None else int(drafter.num_nodes)
+
+
 def method_width(method: Method) -> int:
     """Siblings per draft depth (tree drafters); 1 for chains and autoregressive."""
     return int(getattr(method.drafter, "tree_width", 1) or 1)
@@ -137,8 +159,13 @@ def method_label(name: str, k: int | None, width: int = 1) -> str:
     return name if k is None else f"{name} K={k}" + (f" W={width}" if width > 1 else "")
 
 
-def _label(method: Method) -> str:
-    return method_label(method.name, method_k(method), method_width(method))
+def _label(method: Method, batch_size: int = 1) -> str:
+    """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3, DDTree, JetSpec budgets)."""
+    label = method_label(method.name, method_k(method), method_width(method))
+    nodes = method_nodes(method, batch_size)
+    if nodes is not None and nodes != method_k(method) * method_width(method):
+        label += f" N={nodes}"
+    return label
 
 
 def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[list[int]]]:
@@ -147,9 +174,10 @@ def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[lis
 
 def _shape_key(method: Method, rows, max_new_tokens: int, sampling: SamplingConfig) -> tuple:
     """What decides a compilation of the method's jitted loop: the padded prompt shape, cache size, sampling."""
-    extra = 0 if method.drafter is None else method.drafter.num_nodes + 1  # a round may overshoot by T + 1 slots
+    drafter = method.drafter_for_batch(len(rows))
+    extra = 0 if drafter is None else drafter.num_nodes + 1  # a round may overshoot by T + 1 slots
     batch = pad_prompts(rows, max_new_tokens, method.target.config, draft_slots=extra)
-    return _label(method), batch.tokens.shape, batch.cache_size, sampling
+    return _label(method, len(rows)), batch.tokens.shape, batch.cache_size, sampling
 
 
 def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -195,7 +223,11 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
         "method": method.name,
         "num_draft_tokens": k,
         "tree_width": None if k is None else method_width(method),
-        "label": _label(method),
+        "tree_nodes": method_nodes(method, batch_size),
+        "budget_auto": method.cost_model is not None,
+        # --budget auto: the throughput model behind the choice at this batch size
+        "auto_budget_table": method.auto_budget(batch_size)[1] if method.cost_model is not None else None,
+        "label": _label(method, batch_size),
         "prompt_set": prompt_set,
         "temperature": temperature,
         "batch_size": batch_size,
@@ -637,21 +669,46 @@ def build_methods(target: LoadedModel, args) -> list[Method]:
     from jaxspec.cli import method_options
 
     methods = [build_method(BASELINE, target)]
+    from jaxspec.methods import PARALLEL_METHODS
+
     ks = args.num_draft_tokens or [None]
+    budgets = getattr(args, "budget", None) or [None]
     for spec in args.methods:
         name, _, drafter = spec.partition("=")  # "medusa=runs/x/drafter" or "medusa=untrained" picks the drafter
         if name == BASELINE:
             continue
+        sweep = budgets if name in (*PARALLEL_METHODS, "eagle2", "eagle3") else [None]
         for k in ks:
-            overrides = {"num_draft_tokens": k, **({"drafter": drafter} if drafter else {})}
-            options = method_options(argparse.Namespace(**{**vars(args), **overrides}))
-            method = build_method(name, target, options)
-            if drafter:
-                label = "untrained" if drafter == "untrained" else os.path.basename(os.path.dirname(
-                    os.path.abspath(drafter))) or drafter
-                method.name = f"{name}[{label}]"
-            methods.append(method)
+            for budget in sweep:
+                overrides = {"num_draft_tokens": k, "budget": None, **({"drafter": drafter} if drafter else {})}
+                if budget is not None and name in PARALLEL_METHODS:
+                    block = None
+                    if name == "dflash" and budget != "auto":  # a chain: at most the block size
+                        block = _dflash_block_size(target, drafter or None)
+                    overrides["budget"] = budget if block is None else min(budget, block)
+                elif budget is not None:
+                    if budget == "auto":
+                        continue  # --budget auto is for the parallel drafters (ddtree, jetspec, dflash)
+                    overrides["tree_nodes"] = budget
+                options = method_options(argparse.Namespace(**{**vars(args), **overrides}))
+                method = build_method(name, target, options)
+                if drafter:
+                    label = "untrained" if drafter == "untrained" else os.path.basename(os.path.dirname(
+                        os.path.abspath(drafter))) or drafter
+                    method.name = f"{name}[{label}]"
+                if budget == "auto":
+                    method.name += "[auto]"
+                if any(_label(m) == _label(method) for m in methods):
+                    continue  # the same run again (a dflash chain capped at its block size)
+                methods.append(method)
     return methods
+
+
+def _dflash_block_size(target: LoadedModel, drafter: str | None) -> int:
+    """The block size of the DFlash head a --methods entry names (the shipped or given checkpoint)."""
+    from jaxspec.methods import MethodOptions, load_learned_drafter
+
+    return load_learned_drafter("dflash", target, drafter, MethodOptions(drafter=drafter))[0].block_size
 
 
 def cmd_bench(args) -> None:

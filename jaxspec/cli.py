@@ -52,7 +52,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     """Options that choose and configure the decoding method (shared by generate and bench)."""
     from jaxspec.methods import METHODS
 
-    p.add_argument("--drafter", help="learned methods (medusa, eagle, eagle2, eagle3): a drafter folder from "
+    p.add_argument("--drafter", help="learned methods (medusa, eagle*, dflash, ddtree, jetspec): a drafter folder from "
                    "`jaxspec train` (eagle3 also: a Hugging Face EAGLE-3 folder), or 'untrained'; default: the "
                    "drafter shipped for the model, if any")
     p.add_argument("--draft-model", help="draft-model: a known name, .gguf file or HF folder sharing the tokenizer")
@@ -64,6 +64,11 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-width", type=int, default=None,
                    help="draft-model, early-exit: top-W siblings at every depth (W x depth nodes, default 1); "
                         "eagle2/eagle3: children per expanded node (top_k)")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="ddtree, jetspec: drafted nodes verified per round (B), or 'auto': chosen per batch size from "
+                        "a cost model of this device (measured once, cached); dflash: the chain length (<= block size)")
+    p.add_argument("--refresh-steps", type=int, default=None,
+                   help="jetspec: tree-causal re-scoring forwards after the one-forward marginal tree (default 1)")
     p.add_argument("--ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: number of target layers that draft (default: a quarter of them)")
@@ -75,8 +80,21 @@ def method_options(args):
 
     return MethodOptions(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                          tree_width=args.tree_width, tree_nodes=args.tree_nodes, ngram=args.ngram,
-                         exit_layer=args.exit_layer,
-                         drafter=args.drafter)
+                         exit_layer=args.exit_layer, drafter=args.drafter,
+                         budget=getattr(args, "budget", None), refresh_steps=getattr(args, "refresh_steps", None))
+
+
+def _budget(text: str):
+    """--budget: a positive integer or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,10 +15,16 @@ from jaxspec.loading import LoadedModel, load_model
 from jaxspec.sampling import GREEDY, SamplingConfig
 from jaxspec.speculative import speculative_generate
 
-METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa", "eagle", "eagle2", "eagle3")
-LEARNED_METHODS = ("medusa", "eagle", "eagle2", "eagle3")
-# The checkpoint each learned method reads: EAGLE-2 is the EAGLE-1 head with dynamic trees.
-CHECKPOINT_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3"}
+METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa", "eagle", "eagle2", "eagle3",
+           "dflash", "ddtree", "jetspec")
+LEARNED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "dflash", "ddtree", "jetspec")
+# The checkpoint each learned method reads: EAGLE-2 is the EAGLE-1 head with dynamic trees; DDTree drafts trees from
+# the DFlash block head.
+CHECKPOINT_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
+                     "dflash": "dflash", "ddtree": "dflash", "jetspec": "jetspec"}
+PARALLEL_METHODS = ("dflash", "ddtree", "jetspec")
+# --budget auto chooses among these (jaxspec.budget)
+AUTO_BUDGETS = (8, 16, 32, 64)
 SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters", "shipped")
 
 
@@ -34,6 +40,8 @@ class MethodOptions:
     ngram: int = 3  # prompt-lookup: longest n-gram matched
     exit_layer: int | None = None  # early-exit: layers used to draft
     drafter: str | None = None  # learned methods: a drafter checkpoint folder, or "untrained"
+    budget: int | str | None = None  # ddtree/jetspec: B drafted nodes per round, or "auto"; dflash: chain length
+    refresh_steps: int | None = None  # jetspec: tree-causal re-scoring forwards per round
 
 
 DEFAULT_DRAFT_TOKENS = {"draft-model": 4, "prompt-lookup": 4, "early-exit": 3}
@@ -47,6 +55,27 @@ class Method:
     drafter: Any
     params: Any
     target: LoadedModel
+    cost_model: Any = None  # --budget auto: the device's verification cost model (jaxspec.budget.CostModel)
+
+    def drafter_for_batch(self, batch: int):
+        """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks."""
+        if self.cost_model is None or self.drafter is None:
+            return self.drafter
+        return dataclasses.replace(self.drafter, budget=self.auto_budget(batch)[0])
+
+    def auto_budget(self, batch: int) -> tuple[int, list[dict]]:
+        """(budget, table) of --budget auto at this batch size. Drafting is costed as the head's forwards (one layer
+        each) relative to the target's layers, on the same cost model."""
+        from jaxspec.budget import choose_budget
+
+        cost, cfg, drafter = self.cost_model, self.target.config, self.drafter
+        budgets = [min(b, drafter.block_size) for b in AUTO_BUDGETS] if drafter.mode == "dflash" else AUTO_BUDGETS
+
+        def draft_seconds(rows: int, budget: int) -> float:
+            layers = dataclasses.replace(drafter, budget=budget).draft_cost_layers(cfg)
+            return layers / cfg.num_layers * cost.verify_seconds(rows, budget + 1)
+
+        return choose_budget(cost, batch, budgets=budgets, draft_seconds=draft_seconds)
 
     def generate(self, prompt_ids, *, max_new_tokens: int = 128, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  eos_ids=None, max_cache_length: int | None = None) -> GenerationResult:
@@ -55,7 +84,8 @@ class Method:
         t = self.target
         if self.drafter is None:
             return generate(t.weights, t.config, prompt_ids, **kwargs)
-        return speculative_generate(t.weights, t.config, self.drafter, self.params, prompt_ids, **kwargs)
+        drafter = self.drafter_for_batch(len(prompt_ids))
+        return speculative_generate(t.weights, t.config, drafter, self.params, prompt_ids, **kwargs)
 
 
 def build_method(name: str, target: LoadedModel, options: MethodOptions = MethodOptions()) -> Method:
@@ -70,8 +100,16 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
         if name == "medusa" and (options.tree_width is not None or options.tree_nodes is not None):
             raise UserError("Medusa drafts the fixed tree of its drafter.choices; --tree-width and --tree-nodes do not "
                             "apply.")
+        if name not in PARALLEL_METHODS and (options.budget is not None or options.refresh_steps is not None):
+            raise UserError(f"--budget and --refresh-steps are for dflash, ddtree and jetspec, not {name}"
+                            + (" (use --tree-nodes)." if name in ("eagle2", "eagle3") else "."))
         drafter, params = load_learned_drafter(name, target, options.drafter, options)
-        return Method(name=name, drafter=drafter, params=params, target=target)
+        cost_model = None
+        if options.budget == "auto":
+            from jaxspec.budget import load_or_measure_cost_model
+
+            cost_model = load_or_measure_cost_model(target)
+        return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model)
     k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
     if k < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
@@ -116,6 +154,11 @@ def _method_config(method: str, config: dict):
         from jaxspec.drafters.eagle import Eagle3Config
 
         return from_dict(Eagle3Config, config, path="drafter")
+    if method in PARALLEL_METHODS:
+        from jaxspec.drafters.parallel import ParallelHeadConfig
+
+        attention = "tree_causal" if method == "jetspec" else "bidirectional"
+        return from_dict(ParallelHeadConfig, {"attention": attention, **config}, path="drafter")
     raise UserError(f"Method '{method}' has no learned drafter.")
 
 
@@ -157,6 +200,33 @@ def _tree_settings(method: str, cfg, options: MethodOptions):
     return dataclasses.replace(cfg, **overrides)
 
 
+def _parallel_drafter(method: str, cfg, options: MethodOptions):
+    """The DFlash / DDTree / JetSpec drafter of a head config with --budget, --tree-width and --refresh-steps."""
+    if options.num_draft_tokens is not None or options.tree_nodes is not None:
+        raise UserError(f"{method} takes --budget (drafted nodes per round; dflash: the chain length, at most the "
+                        "block size) and --tree-width, not --num-draft-tokens or --tree-nodes.")
+    overrides = {}
+    budget = options.budget
+    if budget is not None and budget != "auto":
+        if not isinstance(budget, int) or budget < 1:
+            raise UserError(f"--budget must be a positive integer or 'auto', got {budget!r}.")
+        overrides["budget"] = budget
+    if budget == "auto":
+        overrides["budget"] = 16  # a placeholder: Method.generate picks the budget per batch size
+    if options.tree_width is not None:
+        if method == "dflash":
+            raise UserError("dflash drafts a chain; for trees from the same head use --method ddtree.")
+        overrides["tree_width"] = options.tree_width
+    if options.refresh_steps is not None:
+        if method != "jetspec":
+            raise UserError("--refresh-steps is JetSpec's tree-causal re-scoring; other methods have none.")
+        overrides["refresh_steps"] = options.refresh_steps
+    if method == "dflash" and isinstance(budget, int) and budget > cfg.block_size:
+        raise UserError(f"dflash drafts at most its block size ({cfg.block_size}) tokens per round; --budget {budget} "
+                        "is more. Use ddtree or jetspec for larger budgets.")
+    return dataclasses.replace(cfg, **overrides).make_drafter(method)
+
+
 def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
                          options: MethodOptions = MethodOptions()):
     """(drafter, params) from a drafter checkpoint trained for `target`, or freshly initialised for "untrained".
@@ -174,6 +244,7 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
                 f"jaxspec ships no {CHECKPOINT_METHOD[method]} drafter for {target.source}."
             )
     eagle = method in ("eagle", "eagle2", "eagle3")
+    parallel = method in PARALLEL_METHODS
     if path == "untrained":
         if method in ("eagle", "eagle2"):
             from jaxspec.drafters.eagle import eagle1_config
@@ -184,6 +255,8 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
         cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg  # target-dependent defaults
         if eagle:
             cfg = _tree_settings(method, cfg, options)
+        if parallel:
+            return _parallel_drafter(method, cfg, options), cfg.init_params(target.config, target.weights)
         return cfg.make_drafter(), cfg.init_params(target.config, target.weights)
     from jaxspec.checkpoint import DRAFTER_META_FILE, load_drafter, read_drafter_meta
 
@@ -207,4 +280,8 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
                              target_source=target.source, abstract_params=abstract)
     if eagle:
         cfg = _tree_settings(method, cfg, options)
+    if parallel:
+        drafter = _parallel_drafter(method, cfg, options)
+        drafter.check_compatible(params, target.config)
+        return drafter, params
     return cfg.make_drafter(), params
