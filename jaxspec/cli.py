@@ -190,6 +190,12 @@ def cmd_generate(args) -> None:
         raise UserError("--speedup compares a speculative method with autoregressive decoding; add e.g. "
                         "--method eagle3.")
     baseline = build_method("autoregressive", model) if args.speedup else None
+    if method.cost_model is not None:  # --budget auto: show the choice and the model behind it
+        from jaxspec.budget import format_budget_table
+
+        rows = min(len(prompt_ids), args.batch_size) if args.json else 1
+        budget, table = method.auto_budget(rows)
+        print(f"[--budget auto at batch {rows}: budget {budget}]\n{format_budget_table(table)}", file=sys.stderr)
     if args.json or method.drafter is not None:
         for start in range(0, len(prompts), args.batch_size if args.json else 1):
             rows = prompt_ids[start: start + (args.batch_size if args.json else 1)]
@@ -212,7 +218,8 @@ def cmd_generate(args) -> None:
                 if method.drafter is not None:
                     row_accepted = result.accepted[i]
                     stats.update(rounds=result.rounds[i], tau=round(tau([row_accepted]), 3) if row_accepted else None,
-                                 accepted_per_round=row_accepted)
+                                 accepted_per_round=row_accepted,
+                                 draft_nodes_per_round=method.drafter_for_batch(len(rows)).num_nodes)
                 if ar_result is not None:
                     ar_rate = sum(map(len, ar_result.token_ids)) / ar_result.seconds  # the whole batch's rate
                     rate = sum(map(len, result.token_ids)) / result.seconds

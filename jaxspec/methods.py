@@ -108,7 +108,8 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
         if options.budget == "auto":
             from jaxspec.budget import load_or_measure_cost_model
 
-            cost_model = load_or_measure_cost_model(target)
+            # token counts up to the largest auto budget + 1 (the root)
+            cost_model = load_or_measure_cost_model(target, token_counts=(1, 9, 17, 33, 65))
         return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model)
     k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
     if k < 1:
