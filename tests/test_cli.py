@@ -149,3 +149,27 @@ def test_shipped_eagle3_drafter_reproduces_transformers_greedy(smollm2, smollm2_
         stats = record["stats"]
         assert stats["method"] == "eagle3" and stats["tau"] >= 1 and stats["same_tokens_as_autoregressive"]
         assert stats["speedup"] > 0 and stats["autoregressive_tokens_per_second"] > 0
+
+
+@pytest.mark.parametrize("method,extra", [("ddtree", ["--budget", "8", "--tree-width", "2"]),
+                                          ("jetspec", ["--budget", "6", "--refresh-steps", "1"])])
+def test_parallel_methods_reproduce_transformers_greedy(smollm2, smollm2_reference, capsys, tmp_path, method, extra):
+    """`jaxspec generate --method ddtree|jetspec --drafter untrained --budget N` on SmolLM2 at batch 2: the tokens
+    are transformers' greedy tokens, and the stats name the tree budget."""
+    ref = smollm2_reference
+    prompts = json.loads(str(ref["prompts"]))[:2]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    code, out, err = _run(capsys, "generate", "--method", method, "--drafter", "untrained", *extra, "--prompts-file",
+                          str(path), "--json", "--max-new-tokens", "24", "--batch-size", "2")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    for i, record in enumerate(records):
+        assert record["token_ids"] == ref[f"greedy_{i}"].reshape(-1)[:24].tolist()
+        assert record["stats"]["draft_nodes_per_round"] == int(extra[1])
+
+
+def test_parallel_method_refusals(capsys):
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "eagle3", "--budget", "16"], "--budget")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "dflash", "--drafter", "untrained",
+                                "--tree-width", "3"], "chain")

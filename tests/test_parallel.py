@@ -329,3 +329,27 @@ def test_refusals(tiny_llama3):
     with pytest.raises(UserError, match="refresh"):
         build_method("ddtree", model, MethodOptions(drafter="untrained", refresh_steps=2))
     assert dataclasses.replace(cfg, budget=3).make_drafter("dflash").num_nodes == 3
+
+
+def test_budget_auto_follows_the_batch_size(tiny_llama3, tmp_path, monkeypatch):
+    """--budget auto reads the device's cached cost model and picks per batch size: on costs where verification
+    is flat in tokens at batch 1 and linear at batch 16, batch 1 gets the largest budget and batch 16 the smallest;
+    generation with the chosen drafter stays lossless."""
+    from jaxspec.budget import CostModel, cost_model_path, device_name
+    from jaxspec.methods import AUTO_BUDGETS, MethodOptions, build_method
+
+    _, model, ref = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    tokens = [1, 9, 17, 33, 65]
+    cost = CostModel(device=device_name(model.weights.embed.dtype), model=model.fingerprint(), batch_sizes=[1, 4, 16],
+                     token_counts=tokens, seconds=[[1e-3] * 5, [1e-3 + 1e-5 * t for t in tokens],
+                                                   [1e-3 + 1e-3 * t for t in tokens]], context=256)
+    cost.save(cost_model_path(model))
+    method = build_method("jetspec", model, MethodOptions(drafter="untrained", budget="auto"))
+    assert method.drafter_for_batch(1).num_nodes == max(AUTO_BUDGETS)
+    assert method.drafter_for_batch(16).num_nodes == min(AUTO_BUDGETS)
+    budget, table = method.auto_budget(16)
+    assert [r["budget"] for r in table] == list(AUTO_BUDGETS) and sum(r["chosen"] for r in table) == 1
+    prompts = [ref["input_ids"][0, :9].tolist(), ref["input_ids"][1, :5].tolist()]
+    result = method.generate(prompts, max_new_tokens=12)
+    assert result.token_ids == generate(model.weights, model.config, prompts, max_new_tokens=12).token_ids
