@@ -277,7 +277,7 @@ def trained_heads(tiny_data, tmp_path_factory):
             "loss": {"kind": "forward_kl", "gamma": 0.2},
             "run": {"steps": 30, "batch_size": 4, "seed": 0, "out_dir": out, "save_every": 30, "eval_every": 30,
                     "eval_prompts": 2, "log_every": 1},
-            "drafter": {"draft_vocab_size": 64, "block_size": 4, "budget": 8, "tree_width": 2},
+            "drafter": {"draft_vocab_size": 64, "block_size": 4, "budget": 8, "tree_width": 2, "anchor_stride": 1},
         })
         summary = train(config, progress=False)
         with open(os.path.join(out, "metrics.jsonl")) as f:

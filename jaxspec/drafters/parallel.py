@@ -106,6 +106,8 @@ class ParallelHeadConfig:
         refresh_steps: R, JetSpec's tree-causal re-scoring forwards after the marginal tree (0: none).
         real_token_rate: training, tree-causal head: probability that a block is fed its true tokens (the
             path-conditioned case) instead of masks.
+        anchor_stride: training: a block is anchored at every n-th position (random offset per step); the cost of a
+            step is about D / n times a plain forward over the sequence.
         init_scale: standard deviation of the head's random matrices.
     """
 
@@ -117,6 +119,7 @@ class ParallelHeadConfig:
     tree_width: int = 4
     refresh_steps: int = 1
     real_token_rate: float = 0.5
+    anchor_stride: int = 4
     init_scale: float = 0.02
 
     def __post_init__(self):
@@ -125,6 +128,8 @@ class ParallelHeadConfig:
         if self.block_size < 1 or self.budget < 1 or self.tree_width < 1 or self.refresh_steps < 0:
             raise UserError(f"drafter.block_size, budget and tree_width must be >= 1 and refresh_steps >= 0, got "
                             f"{self.block_size}, {self.budget}, {self.tree_width} and {self.refresh_steps}.")
+        if self.anchor_stride < 1:
+            raise UserError(f"drafter.anchor_stride must be >= 1, got {self.anchor_stride}.")
         if not 0.0 <= self.real_token_rate <= 1.0:
             raise UserError(f"drafter.real_token_rate must be in [0, 1], got {self.real_token_rate}.")
         if self.draft_vocab_size < 0:
@@ -539,15 +544,18 @@ def parallel_loss(params: ParallelHeadParams, target_weights: Weights, target_cf
     Args:
         tokens: int32[B, S]; hidden: [n, B, S, d]; target_logits: [B, S, V]; loss_mask: bool[B, S] (True at t when
         token t + 1 is a response token); key: for the real/mask choice of each block (tree-causal head).
-        kind: forward_kl | reverse_kl | sft; gamma: slot j weighs exp(-gamma j); anchor_stride: anchors every n.
+        kind: forward_kl | reverse_kl | sft; gamma: slot j weighs exp(-gamma j); anchor_stride: anchors every n
+        positions from a random offset in [0, n).
     Returns:
         (loss, metrics: loss_slot{j}, acc_slot{j}: the draft argmax equals the target's).
     """
     b, s = tokens.shape
-    anchors = jnp.arange(0, s, anchor_stride, dtype=jnp.int32)  # [A]
+    offset_key, real_key = jax.random.split(key)
+    offset = jax.random.randint(offset_key, (), 0, anchor_stride) if anchor_stride > 1 else 0
+    anchors = jnp.minimum(offset + jnp.arange(0, s, anchor_stride, dtype=jnp.int32), s - 1)  # [A]
     real = None
     if attention == "tree_causal" and real_token_rate > 0:
-        real = jax.random.bernoulli(key, real_token_rate, (b, anchors.shape[0]))  # [B, A]
+        real = jax.random.bernoulli(real_key, real_token_rate, (b, anchors.shape[0]))  # [B, A]
     feats = fuse_features(params.head, hidden)  # [B, S, d]
     logits = parallel_logits(params, target_cfg, target_weights.embed, tokens, feats, anchors, block_size, attention,
                              real)  # [B, A, D, Vd]
@@ -574,4 +582,4 @@ def parallel_training_loss(params, mcfg: ParallelHeadConfig, target_weights, tar
     return parallel_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.logits,
                          loss_mask, key, block_size=mcfg.block_size, attention=mcfg.attention, kind=loss_cfg.kind,
                          gamma=0.0 if loss_cfg.gamma is None else loss_cfg.gamma,
-                         real_token_rate=mcfg.real_token_rate)
+                         real_token_rate=mcfg.real_token_rate, anchor_stride=mcfg.anchor_stride)
