@@ -230,6 +230,40 @@ def test_eagle3_dynamic_tree_round_reproduces_the_target_distribution_exactly(sa
     assert _check(parents, None, sampling, outcomes=[(tokens, None, 1.0)]) < 2e-6
 
 
+def _parallel_tree(mode, sampling):
+    """The tree the real DDTree (bidirectional block head, best-first on marginals) or JetSpec (tree-causal head,
+    best-first + one path-conditioned refresh) drafter proposes after CONTEXT: (tokens [T], parents [T])."""
+    from jaxspec.drafters import RoundInputs
+    from jaxspec.drafters.parallel import ParallelHeadConfig
+
+    attention = "tree_causal" if mode == "jetspec" else "bidirectional"
+    mcfg = ParallelHeadConfig(attention=attention, feature_layers=(0,), draft_vocab_size=3, block_size=3, budget=5,
+                              tree_width=2, refresh_steps=1, init_scale=0.8).for_target(CFG)
+    params = mcfg.init_params(CFG, TARGET, jax.random.key(3), np.array([3, 9, 1, 5]))  # token 2 is never drafted
+    drafter = mcfg.make_drafter(mode)
+    context = jnp.asarray([CONTEXT[:-1]], jnp.int32)  # [1, 3]; the root CONTEXT[-1] follows
+    lengths = jnp.array([len(CONTEXT) - 1], jnp.int32)
+    _, out, cache = prefill(TARGET, CFG, context, lengths, init_cache(CFG, 1, 32), hidden_layers=drafter.target_layers)
+    state = drafter.init(params, CFG, context, lengths, out, 32, sampling)
+    history = jnp.zeros((1, 32), jnp.int32).at[0, : len(CONTEXT)].set(jnp.asarray(CONTEXT))
+    inputs = RoundInputs(target_weights=TARGET, target_cache=cache, history=history, lengths=cache.lengths,
+                         root=jnp.asarray([CONTEXT[-1]], jnp.int32))
+    tree, _, _ = drafter.propose(params, state, inputs, CFG, sampling, jax.random.key(0))
+    assert tree.draft_probs is None and bool(tree.valid.all())  # deterministic top-W children, no padding
+    return np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]).tolist()
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "jetspec"])
+@pytest.mark.parametrize("sampling", SAMPLINGS[:3], ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_parallel_tree_round_reproduces_the_target_distribution_exactly(mode, sampling):
+    """One round with the best-first tree a DDTree / JetSpec drafter builds, enumerated exactly (the tree is a
+    deterministic function of the committed text, so exact rounds give an exact sequence by induction)."""
+    tokens, parents = _parallel_tree(mode, sampling)
+    assert len(set(parents)) < len(parents) and max(node_depths(jnp.asarray([parents])).tolist()[0]) >= 2  # branches
+    assert 2 not in tokens.tolist()  # only draft-vocabulary tokens
+    assert _check(parents, None, sampling, outcomes=[(tokens, None, 1.0)]) < 2e-6
+
+
 def test_a_broken_rule_is_caught(monkeypatch):
     """Resampling from p after a rejection (instead of from norm(max(0, p - q))) biases the output."""
     name, parents, kinds = TREES[0]
