@@ -165,3 +165,31 @@ def test_a_learned_method_can_name_its_drafter(tiny_llama3):
     args = build_parser().parse_args(["bench", "--methods", "prompt-lookup,medusa=untrained"])
     methods = build_methods(target, args)
     assert [m.name for m in methods] == ["autoregressive", "prompt-lookup", "medusa[untrained]"]
+
+
+def test_budget_sweep_builds_one_method_per_budget(tiny_llama3, tmp_path, monkeypatch):
+    """`--budget 4,8,16,auto` builds ddtree and jetspec once per budget (auto: chosen per batch size from a cached
+    cost model), dflash once per distinct chain length (capped at its block size) and eagle3 once per tree size N;
+    the runs stay greedy-identical and record the node count."""
+    from jaxspec.bench import build_methods
+    from jaxspec.budget import CostModel, cost_model_path, device_name
+
+    _, target, ref = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    tokens = [1, 9, 17, 33, 65]
+    CostModel(device=device_name(target.weights.embed.dtype), model=target.fingerprint(), batch_sizes=[1, 4, 16],
+              token_counts=tokens, seconds=[[1e-3] * 5, [1e-3 * t for t in tokens], [1e-2 * t for t in tokens]],
+              context=256).save(cost_model_path(target))
+    args = build_parser().parse_args(["bench", "--methods", "dflash=untrained,jetspec=untrained,eagle3=untrained",
+                                      "--budget", "4,8,16,auto"])
+    methods = build_methods(target, args)
+    labels = [m.name + " " + str(m.drafter_for_batch(1).num_nodes if m.drafter else "") for m in methods]
+    assert labels == ["autoregressive ", "dflash[untrained] 4", "dflash[untrained] 8",
+                      "dflash[untrained][auto] 8", "jetspec[untrained] 4", "jetspec[untrained] 8",
+                      "jetspec[untrained] 16", "jetspec[untrained][auto] 64", "eagle3[untrained] 4",
+                      "eagle3[untrained] 8", "eagle3[untrained] 16"]
+    bench = run_bench(target, [methods[0], methods[7], methods[5]], {"ids": [ref["input_ids"][0, :7].tolist()]},
+                      max_new_tokens=8, progress=False)
+    rows = bench["results"]
+    assert bench["greedy_identical"] and [r["tree_nodes"] for r in rows] == [None, 64, 8]
+    assert rows[1]["budget_auto"] and sum(r["chosen"] for r in rows[1]["auto_budget_table"]) == 1
