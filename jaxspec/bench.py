@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 from tqdm import tqdm
 
 from jaxspec import metrics
@@ -326,27 +327,32 @@ def run_bench(
     results: list[dict] = []
     warnings: list[str] = []
     compiled: set = set()
+    baselines: dict[tuple, dict] = {}  # (set, T, batch) -> the autoregressive row
     total = len(prompt_sets) * len(temperatures) * len(batch_sizes) * len(methods)
     with tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr) as bar:
-        for set_name, prompts in prompt_sets.items():
-            for temperature in temperatures:
-                sampling = SamplingConfig(temperature=float(temperature))
-                for batch_size in batch_sizes:
-                    batches = _batches(prompts, batch_size)
-                    baseline = None
-                    for method in methods:
+        # method by method (autoregressive first), releasing each method's compiled programs when it is done: a
+        # sweep compiles hundreds of programs, and keeping them all exhausts the process's memory mappings (LLVM
+        # "Cannot allocate memory" on XLA:CPU)
+        for method in methods:
+            for set_name, prompts in prompt_sets.items():
+                for temperature in temperatures:
+                    sampling = SamplingConfig(temperature=float(temperature))
+                    for batch_size in batch_sizes:
+                        batches = _batches(prompts, batch_size)
+                        key = (set_name, float(temperature), batch_size)
                         bar.set_postfix_str(f"{_label(method)} | {set_name} T={temperature:g} B={batch_size}")
                         run = _run_method(method, batches, max_new_tokens=max_new_tokens, sampling=sampling,
                                           seed=seed, eos_ids=eos_ids, compiled=compiled)
-                        row = _summarize(method, run, baseline, prompt_set=set_name, temperature=float(temperature),
-                                         batch_size=batch_size, num_batches=len(batches))
-                        if baseline is None:
-                            baseline = row
+                        row = _summarize(method, run, baselines.get(key), prompt_set=set_name,
+                                         temperature=float(temperature), batch_size=batch_size,
+                                         num_batches=len(batches))
+                        baselines.setdefault(key, row)
                         if row["matches_autoregressive"] is False:
                             warnings.append(_greedy_warning(row))
                             tqdm.write(warnings[-1], file=sys.stderr)
                         results.append(row)
                         bar.update()
+            jax.clear_caches()
 
     out = {
         "note": WARMUP_NOTE,
