@@ -161,10 +161,12 @@ def method_label(name: str, k: int | None, width: int = 1) -> str:
 
 
 def _label(method: Method, batch_size: int = 1) -> str:
-    """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3, DDTree, JetSpec budgets)."""
+    """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3) or is a budget (DFlash,
+    DDTree, JetSpec)."""
     label = method_label(method.name, method_k(method), method_width(method))
     nodes = method_nodes(method, batch_size)
-    if nodes is not None and nodes != method_k(method) * method_width(method):
+    budgeted = hasattr(method.drafter, "budget")  # DFlash / DDTree / JetSpec: always name the budget
+    if nodes is not None and (budgeted or nodes != method_k(method) * method_width(method)):
         label += f" N={nodes}"
     return label
 
