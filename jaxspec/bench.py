@@ -355,6 +355,7 @@ def run_bench(
                         results.append(row)
                         bar.update()
             jax.clear_caches()
+    results = _ordered(results)  # back to (set, T, batch) groups, autoregressive first in each, methods in order
 
     out = {
         "note": WARMUP_NOTE,
