@@ -198,17 +198,12 @@ def test_speculative_round_reproduces_the_target_distribution_exactly(name, pare
     assert _check(parents, kinds, sampling) < 2e-6
 
 
-def _eagle3_tree(sampling):
-    """The dynamic tree the real EAGLE-3 drafter (reduced draft vocabulary of 3 of the 4 tokens, fused target
-    features, EAGLE-2 expansion and reranking) proposes after CONTEXT: (tokens [T], parents [T])."""
+def _first_round_tree(drafter, params, sampling):
+    """The tree a drafter proposes in its first round after CONTEXT (the target prefilled on CONTEXT[:-1], the root
+    CONTEXT[-1])."""
     from jaxspec.drafters import RoundInputs
-    from jaxspec.drafters.eagle import Eagle3Config
 
-    mcfg = Eagle3Config(feature_layers=(0,), draft_vocab_size=3, depth=3, top_k=2, num_nodes=5, init_scale=0.8)
-    mcfg = mcfg.for_target(CFG)
-    params = mcfg.init_params(CFG, TARGET, jax.random.key(3), np.array([3, 9, 1, 5]))  # token 2 is never drafted
-    drafter = mcfg.make_drafter()
-    context = jnp.asarray([CONTEXT[:-1]], jnp.int32)  # [1, 3]; the root CONTEXT[-1] follows
+    context = jnp.asarray([CONTEXT[:-1]], jnp.int32)  # [1, 3]
     lengths = jnp.array([len(CONTEXT) - 1], jnp.int32)
     _, out, cache = prefill(TARGET, CFG, context, lengths, init_cache(CFG, 1, 32), hidden_layers=drafter.target_layers)
     state = drafter.init(params, CFG, context, lengths, out, 32, sampling)
@@ -216,6 +211,19 @@ def _eagle3_tree(sampling):
     inputs = RoundInputs(target_weights=TARGET, target_cache=cache, history=history, lengths=cache.lengths,
                          root=jnp.asarray([CONTEXT[-1]], jnp.int32))
     tree, _, _ = drafter.propose(params, state, inputs, CFG, sampling, jax.random.key(0))
+    return tree
+
+
+def _eagle3_tree(sampling):
+    """The dynamic tree the real EAGLE-3 drafter (reduced draft vocabulary of 3 of the 4 tokens, fused target
+    features, EAGLE-2 expansion and reranking) proposes after CONTEXT: (tokens [T], parents [T])."""
+    from jaxspec.drafters.eagle import Eagle3Config
+
+    mcfg = Eagle3Config(feature_layers=(0,), draft_vocab_size=3, depth=3, top_k=2, num_nodes=5, init_scale=0.8)
+    mcfg = mcfg.for_target(CFG)
+    params = mcfg.init_params(CFG, TARGET, jax.random.key(3), np.array([3, 9, 1, 5]))  # token 2 is never drafted
+    drafter = mcfg.make_drafter()
+    tree = _first_round_tree(drafter, params, sampling)
     assert tree.draft_probs is None  # deterministic top-k children: q is a point mass
     return np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]).tolist()
 
@@ -233,7 +241,6 @@ def test_eagle3_dynamic_tree_round_reproduces_the_target_distribution_exactly(sa
 def _parallel_tree(mode, sampling):
     """The tree the real DDTree (bidirectional block head, best-first on marginals) or JetSpec (tree-causal head,
     best-first + one path-conditioned refresh) drafter proposes after CONTEXT: (tokens [T], parents [T])."""
-    from jaxspec.drafters import RoundInputs
     from jaxspec.drafters.parallel import ParallelHeadConfig
 
     attention = "tree_causal" if mode == "jetspec" else "bidirectional"
@@ -241,14 +248,7 @@ def _parallel_tree(mode, sampling):
                               tree_width=2, refresh_steps=1, init_scale=0.8).for_target(CFG)
     params = mcfg.init_params(CFG, TARGET, jax.random.key(3), np.array([3, 9, 1, 5]))  # token 2 is never drafted
     drafter = mcfg.make_drafter(mode)
-    context = jnp.asarray([CONTEXT[:-1]], jnp.int32)  # [1, 3]; the root CONTEXT[-1] follows
-    lengths = jnp.array([len(CONTEXT) - 1], jnp.int32)
-    _, out, cache = prefill(TARGET, CFG, context, lengths, init_cache(CFG, 1, 32), hidden_layers=drafter.target_layers)
-    state = drafter.init(params, CFG, context, lengths, out, 32, sampling)
-    history = jnp.zeros((1, 32), jnp.int32).at[0, : len(CONTEXT)].set(jnp.asarray(CONTEXT))
-    inputs = RoundInputs(target_weights=TARGET, target_cache=cache, history=history, lengths=cache.lengths,
-                         root=jnp.asarray([CONTEXT[-1]], jnp.int32))
-    tree, _, _ = drafter.propose(params, state, inputs, CFG, sampling, jax.random.key(0))
+    tree = _first_round_tree(drafter, params, sampling)
     assert tree.draft_probs is None and bool(tree.valid.all())  # deterministic top-W children, no padding
     return np.asarray(tree.tokens[0]), np.asarray(tree.parents[0]).tolist()
 

@@ -377,17 +377,8 @@ def _register_builtin() -> None:
     register("eagle3", eagle)
     from jaxspec.drafters.parallel import ParallelHeadConfig, parallel_training_loss
 
-    parallel = Trainable(
-        config_cls=ParallelHeadConfig,
-        make_drafter=lambda c: c.make_drafter(),
-        init_params=lambda c, target, key, dataset=None: c.init_params(
-            target.config, target.weights, key,
-            None if dataset is None else response_token_counts(dataset, target.config.vocab_size)),
-        target_layers=lambda c, target_cfg: c.for_target(target_cfg).feature_layers,
-        loss=parallel_training_loss,
-        needs_logits=True,
-        init_uses_data=True,
-    )
+    # the same handling as EAGLE-3 (draft vocabulary from the data, fused layers, the target's logits); another loss
+    parallel = dataclasses.replace(eagle, config_cls=ParallelHeadConfig, loss=parallel_training_loss)
     # DFlash's block head (bidirectional; `ddtree` drafts trees from it) and JetSpec's tree-causal head
     register("dflash", dataclasses.replace(parallel, config_defaults={"attention": "bidirectional"}))
     register("jetspec", dataclasses.replace(parallel, config_defaults={"attention": "tree_causal"}))
