@@ -61,6 +61,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.drafters.eagle import (
     Eagle3Params,
+    Eagle3State,
     _finish,
     _project,
     _shift,
@@ -75,7 +76,7 @@ from jaxspec.errors import UserError
 from jaxspec.losses import gamma_weights, masked_mean, per_position_loss
 from jaxspec.model import NEG_INF, Weights, _attention
 from jaxspec.sampling import process_logits
-from jaxspec.tree import DraftTree, ancestor_mask, node_depths
+from jaxspec.tree import DraftTree, ancestor_mask
 
 ATTENTION_KINDS = ("bidirectional", "tree_causal")
 
@@ -314,9 +315,10 @@ def refresh_tree(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array,
     b, t = ids.shape
     d2t = draft_to_target(params.head)  # [Vd]
     tokens = jnp.concatenate([root[:, None], d2t[ids]], axis=1)  # [B, T+1] target ids
-    positions = context.lengths[:, None] + node_depths(parents)  # [B, T+1]: L-1 + depth
+    mask = tree_block_mask(parents)  # [B, T+1, T+1]
+    positions = context.lengths[:, None] + jnp.sum(mask, axis=-1).astype(jnp.int32) - 1  # [B, T+1]: L-1 + depth
     logits = block_forward(params, cfg, embed, context, root_feature, tokens, jnp.ones((b, t + 1), jnp.bool_),
-                           positions, tree_block_mask(parents))
+                           positions, mask)
     log_probs = jax.nn.log_softmax(logits, axis=-1)  # [B, T+1, Vd]
     cand_lp, cand_ids = jax.lax.top_k(log_probs, width)  # [B, T+1, W]
     parent_slot = parents + 1  # [B, T] the slot (0 = root) whose output scored each node
@@ -325,7 +327,7 @@ def refresh_tree(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array,
     in_top = valid & jnp.any(hit, axis=-1)  # [B, T]
     own_lp = jnp.take_along_axis(jnp.take_along_axis(log_probs, parent_slot[:, :, None], axis=1),
                                  ids[:, :, None], axis=2)[..., 0]  # [B, T]
-    path = ancestor_mask(parents)[:, 1:, 1:]  # [B, T, T]: node m is node n or one of its ancestors
+    path = mask[:, 1:, 1:]  # [B, T, T]: node m is node n or one of its ancestors
     ok = ~jnp.any(path & ~in_top[:, None, :], axis=-1)  # [B, T]
     node_score = jnp.where(ok, jnp.sum(jnp.where(path, own_lp[:, None, :], 0.0), axis=-1), -jnp.inf)  # [B, T]
     base = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), node_score], axis=1)  # [B, T+1] per slot
@@ -341,19 +343,6 @@ def refresh_tree(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array,
 
 
 # ---------------------------------------------------------------------------------------------- the drafter
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class ParallelState:
-    """cache: the head's one-layer KVCache of context pairs (lengths: where the pending pairs start);
-    pending: [B, T+1, d] fused target features of the last round's committed tokens; prompt: [B, P, d] the prompt's
-    (cached by the first round); first: bool[]."""
-
-    cache: KVCache
-    pending: jax.Array  # [B, T+1, d]
-    prompt: jax.Array  # [B, P, d]
-    first: jax.Array  # bool[]
 
 
 def cache_pairs(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array, cache: KVCache, feats: jax.Array,
@@ -378,7 +367,9 @@ def cache_pairs(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelDrafter(Drafter):
-    """params: ParallelHeadParams; state: ParallelState. mode: dflash (chain), ddtree or jetspec (trees)."""
+    """params: ParallelHeadParams; state: Eagle3State (the same state as EAGLE-3: the head's cache of context pairs,
+    the pending features, the prompt's features, the first-round flag).
+    mode: dflash (chain), ddtree or jetspec (trees)."""
 
     mode: str = "jetspec"
     block_size: int = 8
@@ -404,10 +395,10 @@ class ParallelDrafter(Drafter):
         b = prompt_tokens.shape[0]
         prompt = fuse_features(params.head, prefill_out.hidden)  # [B, P, d]
         cache = init_cache(target_cfg, b, cache_size, params.head.wk.dtype, num_layers=1)
-        return ParallelState(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
+        return Eagle3State(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
                              prompt=prompt, first=jnp.array(True))
 
-    def propose(self, params, state: ParallelState, inputs: RoundInputs, target_cfg, sampling, rng):
+    def propose(self, params, state: Eagle3State, inputs: RoundInputs, target_cfg, sampling, rng):
         embed = inputs.target_weights.embed
 
         def absorb(feats):
@@ -447,7 +438,7 @@ class ParallelDrafter(Drafter):
         tokens = jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)  # [B, K]
         return DraftTree(tokens=tokens, parents=parents, valid=jnp.ones((b, k), jnp.bool_), draft_probs=jnp.exp(logq))
 
-    def update(self, params, state: ParallelState, inputs, verification, acceptance):
+    def update(self, params, state: Eagle3State, inputs, verification, acceptance):
         path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
         hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
         # the new pending pairs start at the old committed length L (the root's position), where the cache ends
