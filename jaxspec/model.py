@@ -165,6 +165,25 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
     return x, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
+def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, cache_v, cache_lengths, mask, *,
+               keep_hidden: bool = False):
+    """Runs a stack of layers (a scan over their leading axis) without touching the cache.
+
+    layers: LayerWeights with a leading axis Lr; x: [B, T, d]; positions: int32[B, T]; cache_k, cache_v:
+    [Lr, B, Hkv, S, h] or None; cache_lengths: int32[B] (slots visible per row); mask: bool[B, T, T] or None.
+    Returns (x [B, T, d], new_k [Lr, B, Hkv, T, h], new_v, hidden [Lr, B, T, d] or None: every layer's output).
+    """
+    inv_freq = rope_inverse_frequencies(cfg)
+
+    def body(x, per_layer):
+        lw, ck, cv = per_layer
+        x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask)
+        return x, (nk, nv, x if keep_hidden else None)
+
+    x, (new_k, new_v, hidden) = jax.lax.scan(body, x, (layers, cache_k, cache_v))
+    return x, new_k, new_v, hidden
+
+
 def embed_tokens(weights: Weights, tokens: jax.Array) -> jax.Array:
     """tokens: int32[B, T] -> [B, T, d]."""
     return jnp.take(weights.embed, tokens, axis=0)
@@ -229,7 +248,6 @@ def forward(
     b, t = positions.shape
     if mask is None and t > 1:
         mask = causal_mask(b, t)
-    inv_freq = rope_inverse_frequencies(cfg)
     layers = jax.tree.map(lambda w: w[start:end], weights.layers)
 
     if cache is not None:
@@ -239,14 +257,8 @@ def forward(
         cache_lengths = jnp.zeros((b,), jnp.int32)
         layer_cache = (None, None)
     keep_hidden = bool(hidden_layers)
-
-    def body(x, per_layer):
-        lw, ck, cv = per_layer
-        x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask)
-        return x, (nk, nv, x if keep_hidden else None)
-
-    x, (new_k, new_v, all_hidden) = jax.lax.scan(body, x, (layers, *layer_cache))
-
+    x, new_k, new_v, all_hidden = run_layers(cfg, layers, x, positions, *layer_cache, cache_lengths, mask,
+                                             keep_hidden=keep_hidden)
     hidden = None
     if keep_hidden:
         hidden = all_hidden[jnp.array([i - start for i in hidden_layers])]  # [n, B, T, d]

@@ -1,0 +1,439 @@
+"""Speculative pipeline decoding (PPSD, SPD): the target's layers as n pipeline stages with one token per stage.
+
+The L layers are split into n stages of L/n layers (stacked weights reshaped to [n, L/n, ...]). Slot j holds the
+token about to run stage j: it has done j stages, and its position is the newest token's position minus j. One
+pipeline step runs every stage on its own slot's token (all stages at once) and shifts every token one stage on.
+The token leaving the last stage goes through the LM head; its distribution verifies the token behind it, drafted
+n steps earlier (greedy match or the one-node rejection rule of `jaxspec.verification`).
+
+- Accepted: that token is emitted and keeps flowing; a new drafted token enters stage 0.
+- Rejected: the replacement is sampled from the corrected distribution and emitted, every in-flight token is
+  flushed, and the replacement refills stage 0 alone (warm-up again: n - 1 steps without an exit).
+
+The KV cache needs no copy on a flush: a stage writes a token's keys and values at the token's position, and
+attention only looks at slots before it, so the entries of flushed tokens are simply overwritten later. A token
+at stage j sees the entries of the token before it at stage j's layers because that token ran stage j one step
+earlier (the pipeline invariant). Bubbles (slots without a token) write nothing.
+
+Two executors run the stages, with the same stage function and the same results:
+- one device: `jax.vmap` over the stage axis, then a roll of the outputs by one stage;
+- a mesh with a 'stage' axis: `jax.shard_map` gives each device its block of stages (their layers and their slice
+  of the KV cache) and `jax.lax.ppermute` passes the last stage's output of each block to the next device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxspec.cache import init_cache
+from jaxspec.config import ModelConfig
+from jaxspec.errors import UserError
+from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
+from jaxspec.model import LayerWeights, Weights, embed_tokens, lm_head, run_layers
+from jaxspec.sampling import GREEDY, SamplingConfig, process_logits, sample_token, target_probs
+from jaxspec.verification import acceptance_probability, residual_after_rejection, sample_from
+
+STAGE = "stage"  # the mesh axis the pipeline stages are laid out on
+
+
+# ---------------------------------------------------------------------------------------------- stages
+
+
+def check_num_stages(cfg: ModelConfig, num_stages: int) -> None:
+    if num_stages < 2 or cfg.num_layers % num_stages:
+        divisors = [n for n in range(2, cfg.num_layers + 1) if cfg.num_layers % n == 0]
+        raise UserError(f"--num-stages must divide the target's {cfg.num_layers} layers into at least 2 equal stages; "
+                        f"got {num_stages}. Choose one of {divisors}.")
+
+
+def stage_size(cfg: ModelConfig, num_stages: int) -> int:
+    """s = L / n layers per stage."""
+    return cfg.num_layers // num_stages
+
+
+def middle_layer(cfg: ModelConfig, num_stages: int, stages_done: int) -> int:
+    """The layer whose output is the 'middle' snapshot of a token that has done `stages_done` >= 1 stages: the
+    middle layer of the last stage it ran (see docs/spd.md)."""
+    s = stage_size(cfg, num_stages)
+    return (stages_done - 1) * s + (s - 1) // 2
+
+
+def split_stages(tree: Any, num_stages: int) -> Any:
+    """Every array [L, ...] -> [n, L/n, ...] (layer weights, or the cache's k and v)."""
+    return jax.tree.map(lambda a: a.reshape(num_stages, a.shape[0] // num_stages, *a.shape[1:]), tree)
+
+
+def merge_stages(tree: Any) -> Any:
+    """The inverse of `split_stages`."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def _write_slot(buffer: jax.Array, new: jax.Array, positions: jax.Array, active: jax.Array) -> jax.Array:
+    """buffer[:, b, :, positions[b]] = new[:, b, :, 0] for active rows b. buffer: [s, B, Hkv, S, h]; new:
+    [s, B, Hkv, 1, h]; positions: int32[B]; active: bool[B]."""
+
+    def row(buf, entry, position, on):  # [s, Hkv, S, h], [s, Hkv, 1, h]
+        old = jax.lax.dynamic_slice_in_dim(buf, position, 1, axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(on, entry.astype(buf.dtype), old), position, axis=2)
+
+    return jax.vmap(row, in_axes=(1, 1, 0, 0), out_axes=1)(buffer, new, positions, active)
+
+
+def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache_k, cache_v, x, positions, active):
+    """Runs a block of m consecutive stages, each on its own token (m = n on one device, n / devices on a mesh).
+
+    layers: LayerWeights [m, s, ...]; cache_k, cache_v: [m, s, B, Hkv, S, h]; x: [m, B, d] the residual stream
+    entering each stage; positions: int32[m, B]; active: bool[m, B] (False: a bubble, nothing is written).
+    Returns (out [m, B, d] each stage's output, middle [m, B, d] the output of each stage's middle layer, cache_k,
+    cache_v).
+    """
+    s = stage_size(cfg, num_stages)
+
+    def one_stage(lw, ck, cv, x, position, on):  # x: [B, d]; position: int32[B]
+        out, new_k, new_v, hidden = run_layers(cfg, lw, x[:, None], position[:, None], ck, cv, position, None,
+                                               keep_hidden=True)
+        ck = _write_slot(ck, new_k, position, on)
+        cv = _write_slot(cv, new_v, position, on)
+        return out[:, 0], hidden[(s - 1) // 2, :, 0], ck, cv
+
+    return jax.vmap(one_stage)(layers, cache_k, cache_v, x, positions, active)
+
+
+def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache_k, cache_v, x, positions, active,
+                  mesh: Mesh | None = None):
+    """One pipeline step: every stage runs its token, then every output moves on one stage.
+
+    layers: LayerWeights [n, s, ...]; cache_k, cache_v: [n, s, B, Hkv, S, h]; x: [n, B, d] (slot j's input to stage
+    j); positions: int32[n, B]; active: bool[n, B]. mesh: None (one device, stages by vmap) or a mesh whose 'stage'
+    axis divides n (each device runs n / size consecutive stages).
+    Returns (shifted [n, B, d]: stage j-1's output at j and stage n-1's output (the finished token) at 0,
+    shifted_middle [n, B, d] likewise, cache_k, cache_v).
+    """
+    if mesh is None:
+        out, middle, cache_k, cache_v = run_stage_block(cfg, num_stages, layers, cache_k, cache_v, x, positions,
+                                                        active)
+        return jnp.roll(out, 1, axis=0), jnp.roll(middle, 1, axis=0), cache_k, cache_v
+    devices = mesh.shape[STAGE]
+    ring = [(i, (i + 1) % devices) for i in range(devices)]
+
+    def per_device(layers, cache_k, cache_v, x, positions, active):
+        out, middle, cache_k, cache_v = run_stage_block(cfg, num_stages, layers, cache_k, cache_v, x, positions,
+                                                        active)
+        # the last stage of each device's block feeds the first stage of the next device's block
+        boundary = jax.lax.ppermute(jnp.stack([out[-1], middle[-1]]), STAGE, ring)  # [2, B, d]
+        out = jnp.concatenate([boundary[0][None], out[:-1]], axis=0)
+        middle = jnp.concatenate([boundary[1][None], middle[:-1]], axis=0)
+        return out, middle, cache_k, cache_v
+
+    spec = PartitionSpec(STAGE)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec,) * 4)(
+        layers, cache_k, cache_v, x, positions, active)
+
+
+def stage_mesh(num_stages: int, num_devices: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh with the 'stage' axis over `num_devices` devices (default: as many as divide n, up to n)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if num_devices is None:
+        num_devices = max(d for d in range(1, min(num_stages, len(devices)) + 1) if num_stages % d == 0)
+    if num_devices > len(devices):
+        raise UserError(f"A pipeline over {num_devices} devices needs {num_devices} devices; JAX sees {len(devices)}. "
+                        "On CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting Python.")
+    if num_stages % num_devices:
+        raise UserError(f"{num_stages} stages cannot be split evenly over {num_devices} devices; use a device count "
+                        f"that divides {num_stages}.")
+    return Mesh(np.array(devices[:num_devices]), (STAGE,))
+
+
+def place_on_stages(tree: Any, mesh: Mesh) -> Any:
+    """Puts stage-split arrays ([n, ...]) on the mesh, sharded over 'stage'."""
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(STAGE)))
+
+
+# ---------------------------------------------------------------------------------------------- drafters
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PipelineView:
+    """What a pipeline drafter sees at one step (n slots, slot 0 newest; B rows).
+
+    Before the step (the 'input state', what the target holds when the newest token enters stage 0): tokens,
+    positions int32[n, B]; active bool[n, B]; hidden [n, B, d], the residual stream entering stage j (slot 0: the
+    embedding); middle [n, B, d], the middle snapshot (slot 0: the embedding). After the step's stages ran (the
+    'output state'): out, out_middle [n, B, d], stage j's output and middle layer output for slot j's token.
+    committed: int32[B], tokens fully processed by every layer before the step.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    active: jax.Array
+    hidden: jax.Array
+    middle: jax.Array
+    out: jax.Array
+    out_middle: jax.Array
+    committed: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineDrafter:
+    """Base class: drafts the token that enters stage 0 at the next step (static settings only, hashable)."""
+
+    num_stages: int
+    name: str = "pipeline-drafter"
+    # True: drafting starts from the input state and overlaps the step (SPD); False: it waits for the step
+    hides_drafting: bool = False
+
+    def init(self, params, target_weights: Weights, target_cfg: ModelConfig, prompt_tokens, prompt_lengths,
+             prompt_hidden, cache_size: int) -> Any:
+        """State after the prefill. prompt_hidden: [B, P, d], the target's last hidden state of every prompt token."""
+        return None
+
+    def propose(self, params, state, view: PipelineView, target_weights: Weights, target_cfg: ModelConfig,
+                sampling: SamplingConfig, rng) -> tuple[jax.Array, jax.Array | None, Any]:
+        """-> (draft int32[B], q [B, V] the distribution it was sampled from, or None for a point mass; state)."""
+        raise NotImplementedError
+
+    def update(self, params, state, view: PipelineView, exiting: jax.Array, exit_token: jax.Array,
+               exit_hidden: jax.Array) -> Any:
+        """State after the step. exiting: bool[B], rows whose slot n-1 token left the pipeline (then committed);
+        exit_token: int32[B]; exit_hidden: [B, d] its last hidden state."""
+        return state
+
+    def draft_cost_layers(self, target_cfg: ModelConfig) -> float:
+        """Ls: drafting work per step in target-layer equivalents."""
+        return 0.0
+
+    def check_compatible(self, params, target_cfg: ModelConfig, target_tokenizer=None) -> None:
+        check_num_stages(target_cfg, self.num_stages)
+
+
+def choose_draft(logits: jax.Array, sampling: SamplingConfig, rng) -> tuple[jax.Array, jax.Array | None]:
+    """logits [B, V] over target ids -> (draft int32[B], q [B, V] or None). Greedy: the argmax (q a point mass);
+    otherwise a draw from q, the drafter's distribution under the same temperature / top-k / top-p, kept for the
+    rejection rule."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    logq = process_logits(logits, sampling)  # [B, V]
+    return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EarlyExitPipelineDrafter(PipelineDrafter):
+    """PPSD: the next token from the first stage's output (the newest token after stage 0) through the target's
+    final norm and LM head. Training-free; it waits for stage 0, so its cost is not hidden."""
+
+    name: str = "ppsd"
+
+    def propose(self, params, state, view, target_weights, target_cfg, sampling, rng):
+        logits = lm_head(target_weights, target_cfg, view.out[0][:, None])[:, 0]  # [B, V]
+        draft, q = choose_draft(logits, sampling, rng)
+        return draft, q, state
+
+    def draft_cost_layers(self, target_cfg):
+        return 1.0  # the early-exit head, counted as one layer (METHODS.md's equal-cost convention)
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "sampling", "eos_ids",
+                                             "mesh"))
+def pipeline_generate_tokens(
+    weights: Weights,
+    cfg: ModelConfig,
+    drafter: PipelineDrafter,
+    drafter_params: Any,
+    tokens: jax.Array,
+    prompt_lengths: jax.Array,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    cache_size: int,
+    sampling: SamplingConfig = GREEDY,
+    eos_ids: tuple[int, ...] = (),
+    mesh: Mesh | None = None,
+):
+    """Jitted pipeline decoding of right-padded prompts (tokens int32[B, P], prompt_lengths int32[B]).
+
+    Returns (new_tokens int32[B, max_new_tokens] with PAD after the end, num_new int32[B], stats: dict of int32[B]:
+    steps (pipeline steps run), bubbles (steps whose last stage held no token), exits (tokens that left the
+    pipeline), rejections (exits whose successor was rejected)).
+    """
+    n = drafter.num_stages
+    b = tokens.shape[0]
+    d = cfg.hidden_size
+    eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+
+    cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
+    logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache)
+    first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)  # [B]
+    state = drafter.init(drafter_params, weights, cfg, tokens, prompt_lengths, prefill_out.last_hidden, cache_size)
+    layers = split_stages(weights.layers, n)  # [n, s, ...]
+    cache_k, cache_v = split_stages((cache.k, cache.v), n)  # [n, s, B, Hkv, S, h]
+    if mesh is not None:
+        layers, cache_k, cache_v = place_on_stages((layers, cache_k, cache_v), mesh)
+
+    emb = embed_tokens(weights, first[:, None])[:, 0]  # [B, d]
+    zeros = jnp.zeros((n, b, d), emb.dtype)
+    slots = dict(
+        tokens=jnp.zeros((n, b), jnp.int32).at[0].set(first),
+        positions=jnp.zeros((n, b), jnp.int32).at[0].set(prompt_lengths),
+        active=jnp.zeros((n, b), jnp.bool_).at[0].set(True),
+        hidden=zeros.at[0].set(emb),
+        middle=zeros.at[0].set(emb),
+        q=None if sampling.greedy else jnp.zeros((n, b, cfg.vocab_size), jnp.float32),
+    )
+    out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
+    count = jnp.ones((b,), jnp.int32)
+    done = jnp.isin(first, eos) | (count >= max_new_tokens)
+    stats = {k: jnp.zeros((b,), jnp.int32) for k in ("steps", "bubbles", "exits", "rejections")}
+    slots["active"] = slots["active"] & ~done[None]
+
+    def cond(carry):
+        return ~jnp.all(carry["done"])
+
+    def body(carry):
+        slots, state = carry["slots"], carry["state"]
+        running = ~carry["done"]  # [B]
+        key = jax.random.fold_in(rng, carry["step"])
+        draft_key, accept_key, bonus_key = jax.random.split(key, 3)
+        with jax.named_scope("stages"):
+            shifted, shifted_middle, cache_k, cache_v = pipeline_step(
+                cfg, n, layers, carry["cache_k"], carry["cache_v"], slots["hidden"], slots["positions"],
+                slots["active"], mesh)
+        view = PipelineView(tokens=slots["tokens"], positions=slots["positions"], active=slots["active"],
+                            hidden=slots["hidden"], middle=slots["middle"], out=jnp.roll(shifted, -1, axis=0),
+                            out_middle=jnp.roll(shifted_middle, -1, axis=0), committed=carry["committed"])
+        with jax.named_scope("draft"):
+            draft, draft_q, state = drafter.propose(drafter_params, state, view, weights, cfg, sampling, draft_key)
+        with jax.named_scope("verify"):
+            exiting = slots["active"][n - 1] & running  # [B]
+            exit_hidden = shifted[0]  # [B, d]
+            probs = target_probs(lm_head(weights, cfg, exit_hidden[:, None])[:, 0], sampling)  # [B, V]
+            candidate = slots["tokens"][n - 2]  # [B], drafted n - 1 steps ago (n >= 2)
+            has_candidate = slots["active"][n - 2]
+            if slots["q"] is None:
+                q = jax.nn.one_hot(candidate, cfg.vocab_size, dtype=probs.dtype)
+            else:
+                q = slots["q"][n - 2]
+            u = jax.random.uniform(accept_key, (b,))
+            accept_prob = jax.vmap(acceptance_probability)(probs, q, candidate)
+            accepted = exiting & has_candidate & (u < accept_prob)
+            residual = jnp.where(has_candidate[:, None], jax.vmap(residual_after_rejection)(probs, q), probs)
+            correction = jax.vmap(sample_from)(residual, jax.random.uniform(bonus_key, (b,)))
+            emitted = jnp.where(accepted, candidate, correction)  # [B], meaningful where exiting
+            rejected = exiting & ~accepted
+        with jax.named_scope("commit"):
+            exit_position = slots["positions"][n - 1]
+            committed = jnp.where(exiting, exit_position + 1, carry["committed"])
+            state = drafter.update(drafter_params, state, view, exiting, slots["tokens"][n - 1], exit_hidden)
+            write = exiting & (carry["count"] < max_new_tokens)
+            at = jnp.minimum(carry["count"], max_new_tokens - 1)
+            out = carry["out"].at[jnp.arange(b), at].set(jnp.where(write, emitted, carry["out"][jnp.arange(b), at]))
+            count = carry["count"] + write.astype(jnp.int32)
+            done = carry["done"] | (write & jnp.isin(emitted, eos)) | (count >= max_new_tokens)
+            # the next slots: everything moves on one stage and the draft enters stage 0 ...
+            draft_emb = embed_tokens(weights, draft[:, None])[:, 0]  # [B, d]
+            new = dict(
+                tokens=jnp.roll(slots["tokens"], 1, axis=0).at[0].set(draft),
+                positions=jnp.roll(slots["positions"], 1, axis=0).at[0].set(slots["positions"][0] + 1),
+                active=jnp.roll(slots["active"], 1, axis=0).at[0].set(True),
+                hidden=shifted.at[0].set(draft_emb),
+                middle=shifted_middle.at[0].set(draft_emb),
+                q=None if slots["q"] is None else jnp.roll(slots["q"], 1, axis=0).at[0].set(draft_q),
+            )
+            # ... except after a rejection: the replacement alone, at stage 0
+            emitted_emb = embed_tokens(weights, emitted[:, None])[:, 0]
+            flush = rejected[None]  # [1, B]
+            new["tokens"] = jnp.where(flush, new["tokens"].at[0].set(emitted), new["tokens"])
+            new["positions"] = jnp.where(flush, new["positions"].at[0].set(exit_position + 1), new["positions"])
+            new["active"] = jnp.where(flush, jnp.arange(n)[:, None] == 0, new["active"]) & ~done[None]
+            new["hidden"] = jnp.where(flush[..., None], new["hidden"].at[0].set(emitted_emb), new["hidden"])
+            new["middle"] = jnp.where(flush[..., None], new["middle"].at[0].set(emitted_emb), new["middle"])
+            stats = dict(carry["stats"])
+            stats["steps"] = stats["steps"] + running.astype(jnp.int32)
+            stats["bubbles"] = stats["bubbles"] + (running & ~exiting).astype(jnp.int32)
+            stats["exits"] = stats["exits"] + exiting.astype(jnp.int32)
+            stats["rejections"] = stats["rejections"] + rejected.astype(jnp.int32)
+        return dict(slots=new, state=state, cache_k=cache_k, cache_v=cache_v, committed=committed, out=out,
+                    count=count, done=done, stats=stats, step=carry["step"] + 1)
+
+    init = dict(slots=slots, state=state, cache_k=cache_k, cache_v=cache_v, committed=prompt_lengths.astype(jnp.int32),
+                out=out, count=count, done=done, stats=stats, step=jnp.int32(1))
+    final = jax.lax.while_loop(cond, body, init)
+    return final["out"], final["count"], final["stats"], (final["cache_k"], final["cache_v"], final["committed"])
+
+
+@dataclasses.dataclass
+class PipelineResult(GenerationResult):
+    """GenerationResult plus the pipeline's counters, summed over rows."""
+
+    num_stages: int = 0
+    steps: int = 0
+    bubbles: int = 0
+    exits: int = 0
+    rejections: int = 0
+    draft_cost_layers: float = 0.0
+    hides_drafting: bool = True
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens decided by the pipeline (the prefill's first token excluded)."""
+        return self.exits
+
+    @property
+    def alpha(self) -> float:
+        """Tokens generated per pipeline step."""
+        return self.exits / self.steps if self.steps else float("nan")
+
+    @property
+    def equivalent_acceptance(self) -> float:
+        """L'acc = alpha * n (METHODS.md): tokens per L layers of sequential target work."""
+        return self.alpha * self.num_stages
+
+
+def pipeline_generate(
+    weights: Weights,
+    cfg: ModelConfig,
+    drafter: PipelineDrafter,
+    drafter_params: Any,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    max_cache_length: int | None = None,
+    mesh: Mesh | None = None,
+) -> PipelineResult:
+    """Pipeline decoding for token-id prompts: the same tokens as `generate` at T=0, the same distribution at T>0.
+    mesh: None (stages emulated on one device) or a mesh from `stage_mesh` (stages on devices)."""
+    check_num_stages(cfg, drafter.num_stages)
+    if mesh is not None and drafter.num_stages % mesh.shape[STAGE]:
+        raise UserError(f"{drafter.num_stages} stages cannot be split evenly over the mesh's {mesh.shape[STAGE]} "
+                        "stage devices.")
+    batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_stages + 1)
+    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    start = time.perf_counter()
+    out, counts, stats, _ = pipeline_generate_tokens(
+        weights, cfg, drafter, drafter_params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+        jax.random.key(seed), max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling,
+        eos_ids=eos, mesh=mesh,
+    )
+    out, counts = np.asarray(out), np.asarray(counts)
+    stats = {k: int(np.asarray(v).sum()) for k, v in stats.items()}
+    seconds = time.perf_counter() - start
+    return PipelineResult(
+        token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))], seconds=seconds,
+        num_stages=drafter.num_stages, draft_cost_layers=drafter.draft_cost_layers(cfg),
+        hides_drafting=drafter.hides_drafting, **stats,
+    )
