@@ -52,9 +52,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     """Options that choose and configure the decoding method (shared by generate and bench)."""
     from jaxspec.methods import METHODS
 
-    p.add_argument("--drafter", help="learned methods (medusa, eagle*, dflash, ddtree, jetspec): a drafter folder from "
-                   "`jaxspec train` (eagle3 also: a Hugging Face EAGLE-3 folder), or 'untrained'; default: the "
-                   "drafter shipped for the model, if any")
+    p.add_argument("--drafter", help="learned methods (medusa, eagle*, dflash, ddtree, jetspec, spd): a drafter "
+                   "folder from `jaxspec train` (eagle3 also: a Hugging Face EAGLE-3 folder), or 'untrained'; "
+                   "default: the drafter shipped for the model, if any")
     p.add_argument("--draft-model", help="draft-model: a known name, .gguf file or HF folder sharing the tokenizer")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="draft depth per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3; "
@@ -69,6 +69,12 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                         "a cost model of this device (measured once, cached); dflash: the chain length (<= block size)")
     p.add_argument("--refresh-steps", type=int, default=None,
                    help="jetspec: tree-causal re-scoring forwards after the one-forward marginal tree (default 1)")
+    p.add_argument("--num-stages", type=int, default=None,
+                   help="ppsd, spd: pipeline stages n (must divide the target's layers; default ppsd 5, spd the "
+                        "drafter's)")
+    p.add_argument("--stage-devices", type=int, default=1,
+                   help="ppsd, spd: devices the stages run on (shard_map over a 'stage' mesh axis; must divide n); "
+                        "1 emulates the stages on one device")
     p.add_argument("--ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: number of target layers that draft (default: a quarter of them)")
@@ -81,7 +87,8 @@ def method_options(args):
     return MethodOptions(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                          tree_width=args.tree_width, tree_nodes=args.tree_nodes, ngram=args.ngram,
                          exit_layer=args.exit_layer, drafter=args.drafter,
-                         budget=getattr(args, "budget", None), refresh_steps=getattr(args, "refresh_steps", None))
+                         budget=getattr(args, "budget", None), refresh_steps=getattr(args, "refresh_steps", None),
+                         num_stages=getattr(args, "num_stages", None), stage_devices=getattr(args, "stage_devices", 1))
 
 
 def _budget(text: str):
@@ -215,7 +222,11 @@ def cmd_generate(args) -> None:
                     "batch_size": len(rows),
                     "method": method.name,
                 }
-                if method.drafter is not None:
+                if method.is_pipeline:  # counters of the whole batch
+                    stats.update(num_stages=result.num_stages, pipeline_steps=result.steps, bubbles=result.bubbles,
+                                 rejections=result.rejections, alpha=round(result.alpha, 4),
+                                 equivalent_acceptance=round(result.equivalent_acceptance, 3))
+                elif method.drafter is not None:
                     row_accepted = result.accepted[i]
                     stats.update(rounds=result.rounds[i], tau=round(tau([row_accepted]), 3) if row_accepted else None,
                                  accepted_per_round=row_accepted,
@@ -228,7 +239,10 @@ def cmd_generate(args) -> None:
                         stats["same_tokens_as_autoregressive"] = ids == ar_result.token_ids[i]
                 if not args.json:
                     print(text, flush=True)
-                    extra = f", tau {stats['tau']}" if method.drafter is not None else ""
+                    extra = f", tau {stats['tau']}" if "tau" in stats else ""
+                    if method.is_pipeline:
+                        extra = (f", {result.num_stages} stages: L'acc {stats['equivalent_acceptance']} "
+                                 f"({result.exits} tokens in {result.steps} pipeline steps, {result.bubbles} bubbles)")
                     rate = stats["tokens_per_second"]
                     print(f"[{method.name}: {len(ids)} tokens in {result.seconds:.2f} s, {rate} tokens/s{extra}]",
                           file=sys.stderr)

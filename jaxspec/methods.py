@@ -16,12 +16,14 @@ from jaxspec.sampling import GREEDY, SamplingConfig
 from jaxspec.speculative import speculative_generate
 
 METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa", "eagle", "eagle2", "eagle3",
-           "dflash", "ddtree", "jetspec")
-LEARNED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "dflash", "ddtree", "jetspec")
+           "dflash", "ddtree", "jetspec", "ppsd", "spd")
+LEARNED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "dflash", "ddtree", "jetspec", "spd")
+# pipeline decoding (jaxspec.pipeline): the target's layers as --num-stages stages, one token per stage in flight
+PIPELINE_METHODS = ("ppsd", "spd")
 # The checkpoint each learned method reads: EAGLE-2 is the EAGLE-1 head with dynamic trees; DDTree drafts trees from
 # the DFlash block head.
 CHECKPOINT_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
-                     "dflash": "dflash", "ddtree": "dflash", "jetspec": "jetspec"}
+                     "dflash": "dflash", "ddtree": "dflash", "jetspec": "jetspec", "spd": "spd"}
 PARALLEL_METHODS = ("dflash", "ddtree", "jetspec")
 # --budget auto chooses among these (jaxspec.budget)
 AUTO_BUDGETS = (8, 16, 32, 64)
@@ -42,6 +44,8 @@ class MethodOptions:
     drafter: str | None = None  # learned methods: a drafter checkpoint folder, or "untrained"
     budget: int | str | None = None  # ddtree/jetspec: B drafted nodes per round, or "auto"; dflash: chain length
     refresh_steps: int | None = None  # jetspec: tree-causal re-scoring forwards per round
+    num_stages: int | None = None  # ppsd/spd: pipeline stages (default: spd the drafter's, ppsd 5 or a divisor)
+    stage_devices: int = 1  # ppsd/spd: devices the stages are laid out on (1: emulated on one device)
 
 
 DEFAULT_DRAFT_TOKENS = {"draft-model": 4, "prompt-lookup": 4, "early-exit": 3}
@@ -56,6 +60,13 @@ class Method:
     params: Any
     target: LoadedModel
     cost_model: Any = None  # --budget auto: the device's verification cost model (jaxspec.budget.CostModel)
+    mesh: Any = None  # ppsd/spd: the 'stage' mesh, None when the stages are emulated on one device
+
+    @property
+    def is_pipeline(self) -> bool:
+        from jaxspec.pipeline import PipelineDrafter
+
+        return isinstance(self.drafter, PipelineDrafter)
 
     def drafter_for_batch(self, batch: int):
         """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks."""
@@ -84,6 +95,11 @@ class Method:
         t = self.target
         if self.drafter is None:
             return generate(t.weights, t.config, prompt_ids, **kwargs)
+        if self.is_pipeline:
+            from jaxspec.pipeline import pipeline_generate
+
+            return pipeline_generate(t.weights, t.config, self.drafter, self.params, prompt_ids, mesh=self.mesh,
+                                     **kwargs)
         drafter = self.drafter_for_batch(len(prompt_ids))
         return speculative_generate(t.weights, t.config, drafter, self.params, prompt_ids, **kwargs)
 
@@ -96,6 +112,10 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
         raise UserError(f"Unknown method '{name}'; choose one of {', '.join(METHODS)}.")
     if name == "autoregressive":
         return Method(name=name, drafter=None, params=None, target=target)
+    if name in PIPELINE_METHODS:
+        return _pipeline_method(name, target, options)
+    if options.num_stages is not None or options.stage_devices != 1:
+        raise UserError(f"--num-stages and --stage-devices are for the pipeline methods (ppsd, spd), not {name}.")
     if name in LEARNED_METHODS:
         if name == "medusa" and (options.tree_width is not None or options.tree_nodes is not None):
             raise UserError("Medusa drafts the fixed tree of its drafter.choices; --tree-width and --tree-nodes do not "
@@ -144,6 +164,40 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
     return Method(name=name, drafter=drafter, params=draft.weights, target=target)
 
 
+def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
+    """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
+    from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, stage_mesh
+
+    for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-width", options.tree_width),
+                        ("--tree-nodes", options.tree_nodes), ("--budget", options.budget),
+                        ("--exit-layer", options.exit_layer), ("--refresh-steps", options.refresh_steps)):
+        if value is not None:
+            raise UserError(f"{flag} does not apply to {name}: a pipeline drafts one token per step (draft trees "
+                            "through the pipeline are not implemented, see docs/spd.md); set --num-stages.")
+    cfg = target.config
+    if name == "ppsd":
+        if options.drafter is not None:
+            raise UserError("ppsd drafts with the target's own first stage and LM head; it takes no --drafter.")
+        n = options.num_stages
+        if n is None:  # 5 when it divides the layers, else the smallest divisor >= 2
+            divisors = [d for d in range(2, cfg.num_layers + 1) if cfg.num_layers % d == 0]
+            n = 5 if 5 in divisors else min(divisors)
+        check_num_stages(cfg, n)
+        drafter, params = EarlyExitPipelineDrafter(num_stages=n), None
+    else:
+        drafter, params = load_learned_drafter(name, target, options.drafter, options)
+        if options.num_stages is not None:
+            check_num_stages(cfg, options.num_stages)
+            drafter = dataclasses.replace(drafter, num_stages=options.num_stages)
+        drafter.check_compatible(params, cfg)
+    mesh = None
+    if options.stage_devices != 1:
+        if options.stage_devices < 1:
+            raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
+        mesh = stage_mesh(drafter.num_stages, options.stage_devices)
+    return Method(name=name, drafter=drafter, params=params, target=target, mesh=mesh)
+
+
 def _method_config(method: str, config: dict):
     from jaxspec.configs import from_dict
 
@@ -160,6 +214,10 @@ def _method_config(method: str, config: dict):
 
         attention = "tree_causal" if method == "jetspec" else "bidirectional"
         return from_dict(ParallelHeadConfig, {"attention": attention, **config}, path="drafter")
+    if method == "spd":
+        from jaxspec.drafters.spd import SPDConfig
+
+        return from_dict(SPDConfig, config, path="drafter")
     raise UserError(f"Method '{method}' has no learned drafter.")
 
 
@@ -243,6 +301,9 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
                 + (", a Hugging Face EAGLE-3 folder" if method == "eagle3" else "")
                 + ", or 'untrained' for freshly initialised weights (a baseline that shows what training adds). "
                 f"jaxspec ships no {CHECKPOINT_METHOD[method]} drafter for {target.source}."
+                + (" Train one with `jaxspec train --config configs/spd-smollm2-135m.yaml` (its target and data "
+                   "adapted), or use --method ppsd, which drafts with the target's own first stage and needs no "
+                   "drafter." if method == "spd" else "")
             )
     eagle = method in ("eagle", "eagle2", "eagle3")
     parallel = method in PARALLEL_METHODS

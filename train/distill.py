@@ -299,12 +299,17 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
 
 
 def evaluate_tau(trainable, method_cfg, params, target, prompts: list[list[int]]) -> float:
-    """Greedy tau of the drafter on held-out prompts (never trained on)."""
+    """Greedy tau of the drafter on held-out prompts (never trained on); L'acc for a pipeline drafter."""
     from jaxspec.speculative import speculative_generate
 
     if not prompts:
         return float("nan")
     drafter = trainable.make_drafter(method_cfg)
+    from jaxspec.pipeline import PipelineDrafter, pipeline_generate
+
+    if isinstance(drafter, PipelineDrafter):  # SPD: the equivalent acceptance length L'acc = alpha * n
+        return pipeline_generate(target.weights, target.config, drafter, params, prompts,
+                                 max_new_tokens=64).equivalent_acceptance
     result = speculative_generate(target.weights, target.config, drafter, params, prompts, max_new_tokens=64)
     return result.tau
 
@@ -384,6 +389,12 @@ def _register_builtin() -> None:
     register("jetspec", dataclasses.replace(parallel, config_defaults={"attention": "tree_causal"}))
     # the EAGLE-1 head (also drafted by `eagle2`): the same module and loss with EAGLE-1's settings
     register("eagle", dataclasses.replace(eagle, config_defaults=EAGLE1_SETTINGS))
+    from jaxspec.drafters.spd import SPDConfig, spd_training_loss
+
+    # SPD's pipeline drafter: a draft vocabulary from the data as EAGLE-3; every layer's output (the snapshots of
+    # every pipeline depth for every stage count), computed by the target inside the step
+    register("spd", dataclasses.replace(eagle, config_cls=SPDConfig, loss=spd_training_loss,
+                                        target_layers=lambda c, target_cfg: tuple(range(target_cfg.num_layers))))
 
 
 # ---------------------------------------------------------------------------------------------- CLI

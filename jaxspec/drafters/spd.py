@@ -47,8 +47,8 @@ class SPDConfig:
 
     num_layers: int = 1  # Ls, the drafter's decoder layers
     draft_vocab_size: int = 4096  # the most frequent response tokens (0: the whole vocabulary)
-    num_stages: int = 5  # n used at inference unless --num-stages says otherwise
-    train_num_stages: tuple[int, ...] = (2, 3, 5, 6, 10, 15)  # n drawn per training step
+    num_stages: int = 0  # n used at inference unless --num-stages says otherwise (0: 5, or a divisor of L near it)
+    train_num_stages: tuple[int, ...] = ()  # n drawn per training step (empty: every divisor of L in 2..16)
     state: str = "input"  # input: simultaneous schedule (hidden cost); output: wait for the step
     full_pipeline_rate: float = 0.5  # training: positions with a full pipeline; the rest a random warm-up
     init_scale: float = 0.02
@@ -60,15 +60,19 @@ class SPDConfig:
             raise UserError(f"drafter.state must be one of {', '.join(STATES)}, got '{self.state}'.")
         if not 0.0 <= self.full_pipeline_rate <= 1.0:
             raise UserError(f"drafter.full_pipeline_rate must be in [0, 1], got {self.full_pipeline_rate}.")
-        if not self.train_num_stages:
-            raise UserError("drafter.train_num_stages needs at least one stage count.")
 
     def for_target(self, target_cfg: ModelConfig) -> SPDConfig:
-        for n in (self.num_stages, *self.train_num_stages):
+        """This config with the target-dependent defaults filled in (stage counts, Vd <= V); checks them."""
+        divisors = [n for n in range(2, min(16, target_cfg.num_layers) + 1) if target_cfg.num_layers % n == 0]
+        if not divisors:
+            raise UserError(f"A target of {target_cfg.num_layers} layer(s) cannot be split into pipeline stages.")
+        stages = tuple(self.train_num_stages) or tuple(divisors)
+        num_stages = self.num_stages or min(divisors, key=lambda n: (abs(n - 5), n))
+        for n in (num_stages, *stages):
             check_num_stages(target_cfg, n)
         vocab = self.draft_vocab_size
         vocab = target_cfg.vocab_size if vocab == 0 or vocab > target_cfg.vocab_size else vocab
-        return dataclasses.replace(self, draft_vocab_size=vocab, train_num_stages=tuple(self.train_num_stages))
+        return dataclasses.replace(self, draft_vocab_size=vocab, train_num_stages=stages, num_stages=num_stages)
 
     def make_drafter(self, num_stages: int | None = None) -> SPDDrafter:
         return SPDDrafter(num_stages=self.num_stages if num_stages is None else num_stages, state=self.state,
