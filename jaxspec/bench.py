@@ -139,7 +139,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def method_k(method: Method) -> int | None:
     """Draft depth K per round (accepted tokens per round are at most K); None for autoregressive."""
-    if method.drafter is None:
+    if method.drafter is None or method.is_pipeline:
         return None
     return int(getattr(method.drafter, "depth", None) or method.drafter.num_nodes)
 
@@ -147,7 +147,7 @@ def method_k(method: Method) -> int | None:
 def method_nodes(method: Method, batch_size: int = 1) -> int | None:
     """Drafted nodes verified per round (the tree budget) at this batch size; None for autoregressive."""
     drafter = method.drafter_for_batch(batch_size)
-    return None if drafter is None else int(drafter.num_nodes)
+    return None if drafter is None or method.is_pipeline else int(drafter.num_nodes)
 
 
 def method_width(method: Method) -> int:
@@ -164,6 +164,8 @@ def _label(method: Method, batch_size: int = 1) -> str:
     """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3) or is a budget (DFlash,
     DDTree, JetSpec)."""
     label = method_label(method.name, method_k(method), method_width(method))
+    if method.is_pipeline:
+        return f"{label} n={method.drafter.num_stages}"
     nodes = method_nodes(method, batch_size)
     budgeted = hasattr(method.drafter, "budget")  # DFlash / DDTree / JetSpec: always name the budget
     if nodes is not None and (budgeted or nodes != method_k(method) * method_width(method)):
@@ -178,7 +180,12 @@ def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[lis
 def _shape_key(method: Method, rows, max_new_tokens: int, sampling: SamplingConfig) -> tuple:
     """What decides a compilation of the method's jitted loop: the padded prompt shape, cache size, sampling."""
     drafter = method.drafter_for_batch(len(rows))
-    extra = 0 if drafter is None else drafter.num_nodes + 1  # a round may overshoot by T + 1 slots
+    if drafter is None:
+        extra = 0
+    elif method.is_pipeline:  # in-flight tokens beyond the committed ones
+        extra = drafter.num_stages + 1
+    else:
+        extra = drafter.num_nodes + 1  # a round may overshoot by T + 1 slots
     batch = pad_prompts(rows, max_new_tokens, method.target.config, draft_slots=extra)
     return _label(method, len(rows)), batch.tokens.shape, batch.cache_size, sampling
 
@@ -196,6 +203,7 @@ def _run_method(method: Method, batches, *, max_new_tokens: int, sampling: Sampl
     token_ids: list[list[int]] = []
     accepted: list[list[int]] = []  # per prompt: drafted tokens accepted in each round
     seconds = warmup = 0.0
+    pipeline = dict.fromkeys(("steps", "bubbles", "exits", "rejections"), 0)  # ppsd / spd counters
     for index, rows in enumerate(batches):
         options = {"max_new_tokens": max_new_tokens, "sampling": sampling, "seed": seed + index, "eos_ids": eos_ids}
         key = _shape_key(method, rows, max_new_tokens, sampling)
@@ -207,9 +215,13 @@ def _run_method(method: Method, batches, *, max_new_tokens: int, sampling: Sampl
         result = method.generate(rows, **options)
         seconds += result.seconds
         token_ids += result.token_ids
-        if method.drafter is not None:
+        if method.is_pipeline:
+            for name in pipeline:
+                pipeline[name] += getattr(result, name)
+        elif method.drafter is not None:
             accepted += result.accepted
-    return {"token_ids": token_ids, "accepted": accepted, "seconds": seconds, "warmup_seconds": warmup}
+    return {"token_ids": token_ids, "accepted": accepted, "seconds": seconds, "warmup_seconds": warmup,
+            "pipeline": pipeline}
 
 
 def _finite(x: float | None) -> float | None:
@@ -261,6 +273,20 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
             acceptance_by_position=[_finite(x) for x in metrics.acceptance_by_position(run["accepted"], k)],
             # [K + 1]: rounds that accepted 0, 1, ..., K drafted tokens
             accepted_length_histogram=metrics.accepted_length_histogram(run["accepted"], k),
+        )
+    if method.is_pipeline:
+        cfg, drafter, counts = method.target.config, method.drafter, run["pipeline"]
+        alpha = counts["exits"] / counts["steps"] if counts["steps"] else float("nan")
+        l_acc = alpha * drafter.num_stages
+        ls = drafter.draft_cost_layers(cfg)
+        row.update(
+            num_stages=drafter.num_stages, pipeline_steps=counts["steps"], bubbles=counts["bubbles"],
+            rejections=counts["rejections"], alpha=_finite(alpha),
+            # METHODS.md: SPD's input-state drafter is hidden, L'acc = alpha * n; a drafter that waits for the step
+            # (PPSD, SPD output state) costs Ls layers per step: L'acc * L / (Ls * n + L)
+            tau=_finite(l_acc), equivalent_acceptance=_finite(l_acc),
+            theoretical_speedup=_finite(l_acc if drafter.hides_drafting else metrics.ppsd_speedup(
+                l_acc, cfg.num_layers, ls, drafter.num_stages)),
         )
     if temperature == 0.0:
         reference = run["token_ids"] if baseline is None else baseline["token_ids"]
@@ -752,7 +778,9 @@ def cmd_bench(args) -> None:
     print(format_table(bench))
     print(f"\ntok/s = all new tokens / seconds of the timed runs (prefill included); speedup = tok/s over "
           f"autoregressive's on the same prompts; tau = tokens per verification round; theory = tau * L / (C + L), "
-          f"C = drafting work in target layers (EAGLE: one layer x depth); accept@i = fraction of rounds "
+          f"C = drafting work in target layers (EAGLE: one layer x depth); ppsd/spd: tau = L'acc = alpha * n "
+          f"(alpha = tokens per pipeline step; stages emulated on one device unless --stage-devices), theory = L'acc "
+          f"(spd, drafting hidden) or L'acc * L / (Ls * n + L); accept@i = fraction of rounds "
           f"accepting draft position i; =AR: T=0 tokens equal autoregressive's. {WARMUP_NOTE.split(':')[0]}.")
     if "skipped" in bench["peers"]:
         print(f"Peers skipped: {bench['peers']['skipped']}.")

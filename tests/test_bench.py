@@ -193,3 +193,22 @@ def test_budget_sweep_builds_one_method_per_budget(tiny_llama3, tmp_path, monkey
     rows = bench["results"]
     assert bench["greedy_identical"] and [r["tree_nodes"] for r in rows] == [None, 64, 8]
     assert rows[1]["budget_auto"] and sum(r["chosen"] for r in rows[1]["auto_budget_table"]) == 1
+
+
+def test_pipeline_rows_report_equivalent_acceptance(tiny_llama3):
+    """ppsd and spd rows carry the pipeline counters, L'acc = alpha * n in the tau column, and the theoretical
+    speedup of METHODS.md (L'acc for spd's hidden drafter, L'acc * L / (Ls n + L) for ppsd)."""
+    _, target, _ = tiny_llama3
+    methods = [build_method("ppsd", target, MethodOptions(num_stages=3)),
+               build_method("spd", target, MethodOptions(drafter="untrained", num_stages=3))]
+    out = run_bench(target, methods, {"s": [[5, 6, 7, 8], [9, 10, 11]]}, temperatures=(0.0,), batch_sizes=(2,),
+                    max_new_tokens=10, progress=False)
+    rows = {r["method"]: r for r in out["results"]}
+    assert out["greedy_identical"] and rows["ppsd"]["label"] == "ppsd n=3"
+    for name in ("ppsd", "spd"):
+        r = rows[name]
+        assert r["equivalent_acceptance"] == pytest.approx(r["alpha"] * 3) and r["tau"] == r["equivalent_acceptance"]
+        assert r["pipeline_steps"] >= 2 * 9 and r["bubbles"] >= 2 * 2
+    assert rows["spd"]["theoretical_speedup"] == pytest.approx(rows["spd"]["equivalent_acceptance"])
+    l_acc = rows["ppsd"]["equivalent_acceptance"]
+    assert rows["ppsd"]["theoretical_speedup"] == pytest.approx(l_acc * 3 / (1 * 3 + 3))

@@ -173,3 +173,35 @@ def test_parallel_method_refusals(capsys):
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "eagle3", "--budget", "16"], "--budget")
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "dflash", "--drafter", "untrained",
                                 "--tree-width", "3"], "chain")
+
+
+@pytest.mark.parametrize("method,extra", [("ppsd", ["--num-stages", "5"]),
+                                          ("spd", ["--drafter", "untrained", "--num-stages", "3"])])
+def test_pipeline_methods_reproduce_transformers_greedy(smollm2, smollm2_reference, capsys, tmp_path, method, extra):
+    """`jaxspec generate --method ppsd|spd --num-stages N` on SmolLM2 at batch 2 (stages emulated on one device):
+    transformers' greedy tokens, and the pipeline's counters in the stats."""
+    ref = smollm2_reference
+    prompts = json.loads(str(ref["prompts"]))[:2]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    code, out, err = _run(capsys, "generate", "--method", method, *extra, "--prompts-file", str(path), "--json",
+                          "--max-new-tokens", "16", "--batch-size", "2")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    for i, record in enumerate(records):
+        assert record["token_ids"] == ref[f"greedy_{i}"].reshape(-1)[:16].tolist()
+        stats = record["stats"]
+        assert stats["num_stages"] == int(extra[-1]) and stats["pipeline_steps"] >= 15
+        assert stats["equivalent_acceptance"] == pytest.approx(stats["alpha"] * stats["num_stages"], abs=1e-3)
+
+
+def test_pipeline_method_refusals(capsys):
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "spd"], "needs --drafter", "--method ppsd")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--num-stages", "4"],
+                       "--num-stages must divide", "30 layers")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--tree-width", "2"],
+                       "--tree-width does not apply", "docs/spd.md")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--stage-devices", "2"],
+                       "needs 2 devices")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "eagle3", "--num-stages", "5"],
+                       "pipeline methods")
