@@ -165,7 +165,8 @@ def _label(method: Method, batch_size: int = 1) -> str:
     DDTree, JetSpec)."""
     label = method_label(method.name, method_k(method), method_width(method))
     if method.is_pipeline:
-        return f"{label} n={method.drafter.num_stages}"
+        width = method.drafter.tree_width
+        return f"{label} n={method.drafter.num_stages}" + (f" W={width}" if width > 1 else "")
     nodes = method_nodes(method, batch_size)
     budgeted = hasattr(method.drafter, "budget")  # DFlash / DDTree / JetSpec: always name the budget
     if nodes is not None and (budgeted or nodes != method_k(method) * method_width(method)):
@@ -203,7 +204,7 @@ def _run_method(method: Method, batches, *, max_new_tokens: int, sampling: Sampl
     token_ids: list[list[int]] = []
     accepted: list[list[int]] = []  # per prompt: drafted tokens accepted in each round
     seconds = warmup = 0.0
-    pipeline = dict.fromkeys(("steps", "bubbles", "exits", "rejections"), 0)  # ppsd / spd counters
+    pipeline = dict.fromkeys(("steps", "bubbles", "exits", "rejections", "promotions"), 0)  # ppsd / spd counters
     for index, rows in enumerate(batches):
         options = {"max_new_tokens": max_new_tokens, "sampling": sampling, "seed": seed + index, "eos_ids": eos_ids}
         key = _shape_key(method, rows, max_new_tokens, sampling)
@@ -281,7 +282,7 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
         ls = drafter.draft_cost_layers(cfg)
         row.update(
             num_stages=drafter.num_stages, pipeline_steps=counts["steps"], bubbles=counts["bubbles"],
-            rejections=counts["rejections"], alpha=_finite(alpha),
+            rejections=counts["rejections"], sibling_promotions=counts["promotions"], alpha=_finite(alpha),
             # METHODS.md: SPD's input-state drafter is hidden, L'acc = alpha * n; a drafter that waits for the step
             # (PPSD, SPD output state) costs Ls layers per step: L'acc * L / (Ls * n + L)
             tau=_finite(l_acc), equivalent_acceptance=_finite(l_acc),

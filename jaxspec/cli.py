@@ -63,7 +63,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="eagle2, eagle3: drafted nodes verified per round (N of the dynamic tree)")
     p.add_argument("--tree-width", type=int, default=None,
                    help="draft-model, early-exit: top-W siblings at every depth (W x depth nodes, default 1); "
-                        "eagle2/eagle3: children per expanded node (top_k)")
+                        "eagle2/eagle3: children per expanded node (top_k); ppsd/spd: the drafted token and its "
+                        "W - 1 siblings travel through the stages together")
     p.add_argument("--budget", type=_budget, default=None,
                    help="ddtree, jetspec: drafted nodes verified per round (B), or 'auto': chosen per batch size from "
                         "a cost model of this device (measured once, cached); dflash: the chain length (<= block size)")
@@ -224,7 +225,7 @@ def cmd_generate(args) -> None:
                 }
                 if method.is_pipeline:  # counters of the whole batch
                     stats.update(num_stages=result.num_stages, pipeline_steps=result.steps, bubbles=result.bubbles,
-                                 rejections=result.rejections, alpha=round(result.alpha, 4),
+                                 rejections=result.rejections, sibling_promotions=result.promotions, alpha=round(result.alpha, 4),
                                  equivalent_acceptance=round(result.equivalent_acceptance, 3))
                 elif method.drafter is not None:
                     row_accepted = result.accepted[i]

@@ -168,12 +168,15 @@ def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> 
     """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
     from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, stage_mesh
 
-    for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-width", options.tree_width),
-                        ("--tree-nodes", options.tree_nodes), ("--budget", options.budget),
-                        ("--exit-layer", options.exit_layer), ("--refresh-steps", options.refresh_steps)):
+    for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-nodes", options.tree_nodes),
+                        ("--budget", options.budget), ("--exit-layer", options.exit_layer),
+                        ("--refresh-steps", options.refresh_steps)):
         if value is not None:
-            raise UserError(f"{flag} does not apply to {name}: a pipeline drafts one token per step (draft trees "
-                            "through the pipeline are not implemented, see docs/spd.md); set --num-stages.")
+            raise UserError(f"{flag} does not apply to {name}: a pipeline drafts one token per step, with "
+                            "--tree-width W - 1 siblings (docs/spd.md); set --num-stages and --tree-width.")
+    width = 1 if options.tree_width is None else options.tree_width
+    if width < 1:
+        raise UserError(f"--tree-width must be at least 1, got {width}.")
     cfg = target.config
     if name == "ppsd":
         if options.drafter is not None:
@@ -183,9 +186,10 @@ def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> 
             divisors = [d for d in range(2, cfg.num_layers + 1) if cfg.num_layers % d == 0]
             n = 5 if 5 in divisors else min(divisors)
         check_num_stages(cfg, n)
-        drafter, params = EarlyExitPipelineDrafter(num_stages=n), None
+        drafter, params = EarlyExitPipelineDrafter(num_stages=n, tree_width=width), None
     else:
         drafter, params = load_learned_drafter(name, target, options.drafter, options)
+        drafter = dataclasses.replace(drafter, tree_width=width)
         if options.num_stages is not None:
             check_num_stages(cfg, options.num_stages)
             drafter = dataclasses.replace(drafter, num_stages=options.num_stages)

@@ -40,7 +40,8 @@ from jaxspec.errors import UserError
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
 from jaxspec.model import LayerWeights, Weights, embed_tokens, lm_head, run_layers
 from jaxspec.sampling import GREEDY, SamplingConfig, process_logits, sample_token, target_probs
-from jaxspec.verification import acceptance_probability, residual_after_rejection, sample_from
+from jaxspec.tree import DraftTree
+from jaxspec.verification import accept
 
 STAGE = "stage"  # the mesh axis the pipeline stages are laid out on
 
@@ -77,66 +78,107 @@ def merge_stages(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
-def _write_slot(buffer: jax.Array, new: jax.Array, positions: jax.Array, active: jax.Array) -> jax.Array:
-    """buffer[:, b, :, positions[b]] = new[:, b, :, 0] for active rows b. buffer: [s, B, Hkv, S, h]; new:
-    [s, B, Hkv, 1, h]; positions: int32[B]; active: bool[B]."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StageCache:
+    """The target's KV cache split into stages, plus the siblings' side entries (draft trees of width W > 1).
 
-    def row(buf, entry, position, on):  # [s, Hkv, S, h], [s, Hkv, 1, h]
-        old = jax.lax.dynamic_slice_in_dim(buf, position, 1, axis=2)
-        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(on, entry.astype(buf.dtype), old), position, axis=2)
+    k, v: [n, s, B, Hkv, S, h], the trunk (one token per position, what attention reads). side_k, side_v:
+    [n, s, B, W-1, Hkv, n, h] or None (W = 1): the keys and values of the W - 1 siblings that travel with each
+    in-flight token, at slot position % n (in-flight positions are n consecutive ones, so they never collide).
+    """
 
-    return jax.vmap(row, in_axes=(1, 1, 0, 0), out_axes=1)(buffer, new, positions, active)
+    k: jax.Array
+    v: jax.Array
+    side_k: jax.Array | None = None
+    side_v: jax.Array | None = None
 
 
-def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache_k, cache_v, x, positions, active):
-    """Runs a block of m consecutive stages, each on its own token (m = n on one device, n / devices on a mesh).
+def _write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array, active: jax.Array, axis: int) -> jax.Array:
+    """For every active row b: buffer[:, b, ..., index[b] (on `axis` of the row), ...] = new[:, b]. buffer:
+    [s, B, ...]; new: [s, B, ...] with size 1 on `axis`; index: int32[B]; active: bool[B]."""
 
-    layers: LayerWeights [m, s, ...]; cache_k, cache_v: [m, s, B, Hkv, S, h]; x: [m, B, d] the residual stream
-    entering each stage; positions: int32[m, B]; active: bool[m, B] (False: a bubble, nothing is written).
-    Returns (out [m, B, d] each stage's output, middle [m, B, d] the output of each stage's middle layer, cache_k,
-    cache_v).
+    def row(buf, entry, at, on):
+        old = jax.lax.dynamic_slice_in_dim(buf, at, 1, axis=axis)
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(on, entry.astype(buf.dtype), old), at, axis=axis)
+
+    return jax.vmap(row, in_axes=(1, 1, 0, 0), out_axes=1)(buffer, new, index, active)
+
+
+def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache: StageCache, x, positions,
+                    active):
+    """Runs a block of m consecutive stages, each on its own slot (m = n on one device, n / devices on a mesh).
+
+    layers: LayerWeights [m, s, ...]; cache: StageCache with m stages; x: [m, B, W, d], the residual stream entering
+    each stage, W lanes per slot (lane 0 the trunk token, lanes 1.. its siblings: the same position, each seeing the
+    trunk's cache and itself); positions: int32[m, B]; active: bool[m, B] (False: a bubble, nothing is written).
+    Returns (out [m, B, W, d] each stage's output, middle [m, B, W, d] the output of each stage's middle layer,
+    cache).
     """
     s = stage_size(cfg, num_stages)
+    width = x.shape[2]
 
-    def one_stage(lw, ck, cv, x, position, on):  # x: [B, d]; position: int32[B]
-        out, new_k, new_v, hidden = run_layers(cfg, lw, x[:, None], position[:, None], ck, cv, position, None,
-                                               keep_hidden=True)
-        ck = _write_slot(ck, new_k, position, on)
-        cv = _write_slot(cv, new_v, position, on)
-        return out[:, 0], hidden[(s - 1) // 2, :, 0], ck, cv
+    def one_stage(lw, c: StageCache, x, position, on):  # x: [B, W, d]; position: int32[B]
+        b = x.shape[0]
+        lanes = jnp.broadcast_to(position[:, None], (b, width))
+        alone = jnp.broadcast_to(jnp.eye(width, dtype=jnp.bool_), (b, width, width))  # siblings do not see each other
+        out, new_k, new_v, hidden = run_layers(cfg, lw, x, lanes, c.k, c.v, position, alone, keep_hidden=True)
+        # new_k, new_v: [s, B, Hkv, W, h]
+        c = dataclasses.replace(c, k=_write_rows(c.k, new_k[:, :, :, :1], position, on, axis=2),
+                                v=_write_rows(c.v, new_v[:, :, :, :1], position, on, axis=2))
+        if width > 1:
+            ring = position % num_stages
+            side = [jnp.moveaxis(new[:, :, :, 1:], 3, 2)[..., None, :] for new in (new_k, new_v)]  # [s,B,W-1,Hkv,1,h]
+            c = dataclasses.replace(c, side_k=_write_rows(c.side_k, side[0], ring, on, axis=3),
+                                    side_v=_write_rows(c.side_v, side[1], ring, on, axis=3))
+        return out, hidden[(s - 1) // 2], c
 
-    return jax.vmap(one_stage)(layers, cache_k, cache_v, x, positions, active)
+    return jax.vmap(one_stage)(layers, cache, x, positions, active)
 
 
-def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache_k, cache_v, x, positions, active,
+def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache: StageCache, x, positions, active,
                   mesh: Mesh | None = None):
-    """One pipeline step: every stage runs its token, then every output moves on one stage.
+    """One pipeline step: every stage runs its slot, then every output moves on one stage.
 
-    layers: LayerWeights [n, s, ...]; cache_k, cache_v: [n, s, B, Hkv, S, h]; x: [n, B, d] (slot j's input to stage
-    j); positions: int32[n, B]; active: bool[n, B]. mesh: None (one device, stages by vmap) or a mesh whose 'stage'
-    axis divides n (each device runs n / size consecutive stages).
-    Returns (shifted [n, B, d]: stage j-1's output at j and stage n-1's output (the finished token) at 0,
-    shifted_middle [n, B, d] likewise, cache_k, cache_v).
+    layers: LayerWeights [n, s, ...]; cache: StageCache; x: [n, B, W, d] (slot j's input to stage j); positions:
+    int32[n, B]; active: bool[n, B]. mesh: None (one device, stages by vmap) or a mesh whose 'stage' axis divides n
+    (each device runs n / size consecutive stages).
+    Returns (shifted [n, B, W, d]: stage j-1's output at j and stage n-1's output (the finished token) at 0,
+    shifted_middle [n, B, W, d] likewise, cache).
     """
     if mesh is None:
-        out, middle, cache_k, cache_v = run_stage_block(cfg, num_stages, layers, cache_k, cache_v, x, positions,
-                                                        active)
-        return jnp.roll(out, 1, axis=0), jnp.roll(middle, 1, axis=0), cache_k, cache_v
+        out, middle, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active)
+        return jnp.roll(out, 1, axis=0), jnp.roll(middle, 1, axis=0), cache
     devices = mesh.shape[STAGE]
     ring = [(i, (i + 1) % devices) for i in range(devices)]
 
-    def per_device(layers, cache_k, cache_v, x, positions, active):
-        out, middle, cache_k, cache_v = run_stage_block(cfg, num_stages, layers, cache_k, cache_v, x, positions,
-                                                        active)
+    def per_device(layers, cache, x, positions, active):
+        out, middle, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active)
         # the last stage of each device's block feeds the first stage of the next device's block
-        boundary = jax.lax.ppermute(jnp.stack([out[-1], middle[-1]]), STAGE, ring)  # [2, B, d]
+        boundary = jax.lax.ppermute(jnp.stack([out[-1], middle[-1]]), STAGE, ring)  # [2, B, W, d]
         out = jnp.concatenate([boundary[0][None], out[:-1]], axis=0)
         middle = jnp.concatenate([boundary[1][None], middle[:-1]], axis=0)
-        return out, middle, cache_k, cache_v
+        return out, middle, cache
 
     spec = PartitionSpec(STAGE)
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec,) * 4)(
-        layers, cache_k, cache_v, x, positions, active)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 3)(
+        layers, cache, x, positions, active)
+
+
+def promote_sibling(cache: StageCache, position: jax.Array, lane: jax.Array, promote: jax.Array) -> StageCache:
+    """Copies sibling `lane` (1..W-1) of the token at `position` into the trunk, in every stage's layers, for rows
+    where `promote`: its entries become the ones attention reads. position, lane: int32[B]; promote: bool[B]."""
+
+    def copy(trunk, side):  # [n, s, B, Hkv, S, h], [n, s, B, W-1, Hkv, n, h]
+        def row(t, sd, p, r, on):  # [n, s, Hkv, S, h], [n, s, W-1, Hkv, n, h]
+            entry = jax.lax.dynamic_index_in_dim(sd, r - 1, axis=2, keepdims=False)  # [n, s, Hkv, n, h]
+            entry = jax.lax.dynamic_slice_in_dim(entry, p % sd.shape[-2], 1, axis=3)  # [n, s, Hkv, 1, h]
+            old = jax.lax.dynamic_slice_in_dim(t, p, 1, axis=3)
+            return jax.lax.dynamic_update_slice_in_dim(t, jnp.where(on, entry, old), p, axis=3)
+
+        return jax.vmap(row, in_axes=(2, 2, 0, 0, 0), out_axes=2)(trunk, side, position, lane, promote)
+
+    return dataclasses.replace(cache, k=copy(cache.k, cache.side_k), v=copy(cache.v, cache.side_v))
 
 
 def stage_mesh(num_stages: int, num_devices: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -188,6 +230,8 @@ class PipelineDrafter:
     """Base class: drafts the token that enters stage 0 at the next step (static settings only, hashable)."""
 
     num_stages: int
+    # W: the drafted token's top-W alternatives travel with it as siblings (deterministic top-W, see docs/spd.md)
+    tree_width: int = 1
     name: str = "pipeline-drafter"
     # True: drafting starts from the input state and overlaps the step (SPD); False: it waits for the step
     hides_drafting: bool = False
@@ -199,7 +243,8 @@ class PipelineDrafter:
 
     def propose(self, params, state, view: PipelineView, target_weights: Weights, target_cfg: ModelConfig,
                 sampling: SamplingConfig, rng) -> tuple[jax.Array, jax.Array | None, Any]:
-        """-> (draft int32[B], q [B, V] the distribution it was sampled from, or None for a point mass; state)."""
+        """-> (drafts int32[B, W] (lane 0 the trunk token, then its siblings), q [B, V] the distribution a W = 1 draft
+        was sampled from, or None for point masses; state)."""
         raise NotImplementedError
 
     def update(self, params, state, view: PipelineView, exiting: jax.Array, exit_token: jax.Array,
@@ -216,14 +261,19 @@ class PipelineDrafter:
         check_num_stages(target_cfg, self.num_stages)
 
 
-def choose_draft(logits: jax.Array, sampling: SamplingConfig, rng) -> tuple[jax.Array, jax.Array | None]:
-    """logits [B, V] over target ids -> (draft int32[B], q [B, V] or None). Greedy: the argmax (q a point mass);
-    otherwise a draw from q, the drafter's distribution under the same temperature / top-k / top-p, kept for the
-    rejection rule."""
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+def choose_draft(logits: jax.Array, sampling: SamplingConfig, rng, width: int = 1
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """logits [B, V] over target ids -> (drafts int32[B, W], q [B, V] or None).
+
+    W = 1: greedy takes the argmax (q a point mass); sampling draws from q, the drafter's distribution under the same
+    temperature / top-k / top-p, kept for the rejection rule. W > 1: the W most likely tokens of q, deterministic
+    siblings (point masses), at every temperature."""
     logq = process_logits(logits, sampling)  # [B, V]
-    return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
+    if width > 1:
+        return jax.lax.top_k(logq, width)[1].astype(jnp.int32), None
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], None
+    return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], jnp.exp(logq)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,7 +285,7 @@ class EarlyExitPipelineDrafter(PipelineDrafter):
 
     def propose(self, params, state, view, target_weights, target_cfg, sampling, rng):
         logits = lm_head(target_weights, target_cfg, view.out[0][:, None])[:, 0]  # [B, V]
-        draft, q = choose_draft(logits, sampling, rng)
+        draft, q = choose_draft(logits, sampling, rng, self.tree_width)
         return draft, q, state
 
     def draft_cost_layers(self, target_cfg):
@@ -266,37 +316,48 @@ def pipeline_generate_tokens(
 
     Returns (new_tokens int32[B, max_new_tokens] with PAD after the end, num_new int32[B], stats: dict of int32[B]:
     steps (pipeline steps run), bubbles (steps whose last stage held no token), exits (tokens that left the
-    pipeline), rejections (exits whose successor was rejected)).
+    pipeline), rejections (exits after which the pipeline was flushed), promotions (a sibling accepted instead of
+    the trunk token); (cache, committed int32[B]) at the end).
     """
-    n = drafter.num_stages
+    n, width = drafter.num_stages, drafter.tree_width
     b = tokens.shape[0]
     d = cfg.hidden_size
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
 
-    cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
-    logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache)
+    flat = init_cache(cfg, b, cache_size, weights.embed.dtype)
+    logits, prefill_out, flat = prefill(weights, cfg, tokens, prompt_lengths, flat)
     first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)  # [B]
     state = drafter.init(drafter_params, weights, cfg, tokens, prompt_lengths, prefill_out.last_hidden, cache_size)
     layers = split_stages(weights.layers, n)  # [n, s, ...]
-    cache_k, cache_v = split_stages((cache.k, cache.v), n)  # [n, s, B, Hkv, S, h]
+    cache = StageCache(*split_stages((flat.k, flat.v), n))  # [n, s, B, Hkv, S, h]
+    if width > 1:
+        side = (n, cfg.num_layers // n, b, width - 1, cfg.num_kv_heads, n, cfg.head_dim)
+        cache = dataclasses.replace(cache, side_k=jnp.zeros(side, flat.k.dtype), side_v=jnp.zeros(side, flat.v.dtype))
     if mesh is not None:
-        layers, cache_k, cache_v = place_on_stages((layers, cache_k, cache_v), mesh)
+        layers, cache = place_on_stages((layers, cache), mesh)
 
-    emb = embed_tokens(weights, first[:, None])[:, 0]  # [B, d]
-    zeros = jnp.zeros((n, b, d), emb.dtype)
+    def lanes_of(token):  # int32[B] -> [B, W]: a token that is not a draft (the first, a replacement) fills all lanes
+        return jnp.broadcast_to(token[:, None], (b, width))
+
+    def embed(lanes):  # int32[B, W] -> [B, W, d]
+        return embed_tokens(weights, lanes)
+
+    first_lanes = lanes_of(first)
+    zeros = jnp.zeros((n, b, width, d), weights.embed.dtype)
     slots = dict(
-        tokens=jnp.zeros((n, b), jnp.int32).at[0].set(first),
+        tokens=jnp.zeros((n, b, width), jnp.int32).at[0].set(first_lanes),
         positions=jnp.zeros((n, b), jnp.int32).at[0].set(prompt_lengths),
         active=jnp.zeros((n, b), jnp.bool_).at[0].set(True),
-        hidden=zeros.at[0].set(emb),
-        middle=zeros.at[0].set(emb),
-        q=None if sampling.greedy else jnp.zeros((n, b, cfg.vocab_size), jnp.float32),
+        hidden=zeros.at[0].set(embed(first_lanes)),
+        middle=zeros.at[0].set(embed(first_lanes)),
+        q=jnp.zeros((n, b, cfg.vocab_size), jnp.float32) if width == 1 and not sampling.greedy else None,
     )
     out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
     count = jnp.ones((b,), jnp.int32)
     done = jnp.isin(first, eos) | (count >= max_new_tokens)
-    stats = {k: jnp.zeros((b,), jnp.int32) for k in ("steps", "bubbles", "exits", "rejections")}
+    stats = {k: jnp.zeros((b,), jnp.int32) for k in ("steps", "bubbles", "exits", "rejections", "promotions")}
     slots["active"] = slots["active"] & ~done[None]
+    star = jnp.full((b, width), -1, jnp.int32)  # every sibling is a child of the exiting token
 
     def cond(carry):
         return ~jnp.all(carry["done"])
@@ -307,70 +368,86 @@ def pipeline_generate_tokens(
         key = jax.random.fold_in(rng, carry["step"])
         draft_key, accept_key, bonus_key = jax.random.split(key, 3)
         with jax.named_scope("stages"):
-            shifted, shifted_middle, cache_k, cache_v = pipeline_step(
-                cfg, n, layers, carry["cache_k"], carry["cache_v"], slots["hidden"], slots["positions"],
-                slots["active"], mesh)
-        view = PipelineView(tokens=slots["tokens"], positions=slots["positions"], active=slots["active"],
-                            hidden=slots["hidden"], middle=slots["middle"], out=jnp.roll(shifted, -1, axis=0),
-                            out_middle=jnp.roll(shifted_middle, -1, axis=0), committed=carry["committed"])
+            shifted, shifted_middle, cache = pipeline_step(cfg, n, layers, carry["cache"], slots["hidden"],
+                                                           slots["positions"], slots["active"], mesh)
+        trunk = slots["tokens"][:, :, 0]  # [n, B]
+        view = PipelineView(tokens=trunk, positions=slots["positions"], active=slots["active"],
+                            hidden=slots["hidden"][:, :, 0], middle=slots["middle"][:, :, 0],
+                            out=jnp.roll(shifted, -1, axis=0)[:, :, 0],
+                            out_middle=jnp.roll(shifted_middle, -1, axis=0)[:, :, 0], committed=carry["committed"])
         with jax.named_scope("draft"):
             draft, draft_q, state = drafter.propose(drafter_params, state, view, weights, cfg, sampling, draft_key)
         with jax.named_scope("verify"):
+            # the token leaving the last stage verifies the slot behind it: its trunk token and siblings are the
+            # children of a one-level tree (jaxspec.verification's rule)
             exiting = slots["active"][n - 1] & running  # [B]
-            exit_hidden = shifted[0]  # [B, d]
-            probs = target_probs(lm_head(weights, cfg, exit_hidden[:, None])[:, 0], sampling)  # [B, V]
-            candidate = slots["tokens"][n - 2]  # [B], drafted n - 1 steps ago (n >= 2)
-            has_candidate = slots["active"][n - 2]
-            if slots["q"] is None:
-                q = jax.nn.one_hot(candidate, cfg.vocab_size, dtype=probs.dtype)
-            else:
-                q = slots["q"][n - 2]
-            u = jax.random.uniform(accept_key, (b,))
-            accept_prob = jax.vmap(acceptance_probability)(probs, q, candidate)
-            accepted = exiting & has_candidate & (u < accept_prob)
-            residual = jnp.where(has_candidate[:, None], jax.vmap(residual_after_rejection)(probs, q), probs)
-            correction = jax.vmap(sample_from)(residual, jax.random.uniform(bonus_key, (b,)))
-            emitted = jnp.where(accepted, candidate, correction)  # [B], meaningful where exiting
+            exit_hidden = shifted[0][:, 0]  # [B, d]
+            probs = target_probs(lm_head(weights, cfg, exit_hidden[:, None]), sampling)  # [B, 1, V]
+            has_candidate = slots["active"][n - 2]  # [B] (n >= 2)
+            tree = DraftTree(tokens=slots["tokens"][n - 2], parents=star,
+                             valid=jnp.broadcast_to(has_candidate[:, None], (b, width)),
+                             draft_probs=None if slots["q"] is None else slots["q"][n - 2][:, None])
+            acc = accept(tree, jnp.broadcast_to(probs, (b, width + 1, cfg.vocab_size)),
+                         jax.random.uniform(accept_key, (b, width)), jax.random.uniform(bonus_key, (b,)))
+            emitted = acc.tokens[:, 0]  # the accepted child, or the token drawn from the residual
+            lane = acc.path[:, 1] - 1  # the accepted child's lane (-1: none)
+            accepted = exiting & (acc.num_accepted == 1)
+            promoted = accepted & (lane > 0)
             rejected = exiting & ~accepted
         with jax.named_scope("commit"):
             exit_position = slots["positions"][n - 1]
-            committed = jnp.where(exiting, exit_position + 1, carry["committed"])
-            state = drafter.update(drafter_params, state, view, exiting, slots["tokens"][n - 1], exit_hidden)
+            candidate_position = exit_position + 1
+            committed = jnp.where(exiting, candidate_position, carry["committed"])
+            state = drafter.update(drafter_params, state, view, exiting, trunk[n - 1], exit_hidden)
             write = exiting & (carry["count"] < max_new_tokens)
             at = jnp.minimum(carry["count"], max_new_tokens - 1)
             out = carry["out"].at[jnp.arange(b), at].set(jnp.where(write, emitted, carry["out"][jnp.arange(b), at]))
             count = carry["count"] + write.astype(jnp.int32)
             done = carry["done"] | (write & jnp.isin(emitted, eos)) | (count >= max_new_tokens)
             # the next slots: everything moves on one stage and the draft enters stage 0 ...
-            draft_emb = embed_tokens(weights, draft[:, None])[:, 0]  # [B, d]
             new = dict(
                 tokens=jnp.roll(slots["tokens"], 1, axis=0).at[0].set(draft),
                 positions=jnp.roll(slots["positions"], 1, axis=0).at[0].set(slots["positions"][0] + 1),
                 active=jnp.roll(slots["active"], 1, axis=0).at[0].set(True),
-                hidden=shifted.at[0].set(draft_emb),
-                middle=shifted_middle.at[0].set(draft_emb),
+                hidden=shifted.at[0].set(embed(draft)),
+                middle=shifted_middle.at[0].set(embed(draft)),
                 q=None if slots["q"] is None else jnp.roll(slots["q"], 1, axis=0).at[0].set(draft_q),
             )
-            # ... except after a rejection: the replacement alone, at stage 0
-            emitted_emb = embed_tokens(weights, emitted[:, None])[:, 0]
+            # ... except after a rejection: the replacement alone, at stage 0 ...
+            stage0 = (jnp.arange(n) == 0)[:, None]  # [n, 1]
             flush = rejected[None]  # [1, B]
-            new["tokens"] = jnp.where(flush, new["tokens"].at[0].set(emitted), new["tokens"])
-            new["positions"] = jnp.where(flush, new["positions"].at[0].set(exit_position + 1), new["positions"])
-            new["active"] = jnp.where(flush, jnp.arange(n)[:, None] == 0, new["active"]) & ~done[None]
-            new["hidden"] = jnp.where(flush[..., None], new["hidden"].at[0].set(emitted_emb), new["hidden"])
-            new["middle"] = jnp.where(flush[..., None], new["middle"].at[0].set(emitted_emb), new["middle"])
+            new["tokens"] = jnp.where(flush[..., None], new["tokens"].at[0].set(lanes_of(emitted)), new["tokens"])
+            new["positions"] = jnp.where(flush, new["positions"].at[0].set(candidate_position), new["positions"])
+            emitted_emb = embed(lanes_of(emitted))
+            for name in ("hidden", "middle"):
+                new[name] = jnp.where(flush[..., None, None], new[name].at[0].set(emitted_emb), new[name])
+            # ... or after a sibling was accepted: it becomes the trunk token and goes on alone to the last stage
+            last = (jnp.arange(n) == n - 1)[:, None]
+            pick = jax.nn.one_hot(jnp.maximum(lane, 0), width, dtype=jnp.bool_)  # [B, W]
+            sibling_token = jnp.sum(jnp.where(pick, slots["tokens"][n - 2], 0), axis=1)  # [B]
+            new["tokens"] = jnp.where((last & promoted[None])[..., None], lanes_of(sibling_token)[None],
+                                      new["tokens"])
+            for name, source in (("hidden", shifted), ("middle", shifted_middle)):
+                sibling = jnp.sum(jnp.where(pick[..., None], source[n - 1], 0), axis=1)  # [B, d]
+                lanes = jnp.broadcast_to(sibling[:, None], (b, width, d))
+                new[name] = jnp.where((last & promoted[None])[..., None, None], lanes[None], new[name])
+            active = jnp.where(flush, stage0, new["active"])
+            new["active"] = jnp.where(promoted[None], last, active) & ~done[None]
+            if width > 1:
+                cache = promote_sibling(cache, candidate_position, jnp.maximum(lane, 1), promoted)
             stats = dict(carry["stats"])
             stats["steps"] = stats["steps"] + running.astype(jnp.int32)
             stats["bubbles"] = stats["bubbles"] + (running & ~exiting).astype(jnp.int32)
             stats["exits"] = stats["exits"] + exiting.astype(jnp.int32)
             stats["rejections"] = stats["rejections"] + rejected.astype(jnp.int32)
-        return dict(slots=new, state=state, cache_k=cache_k, cache_v=cache_v, committed=committed, out=out,
-                    count=count, done=done, stats=stats, step=carry["step"] + 1)
+            stats["promotions"] = stats["promotions"] + promoted.astype(jnp.int32)
+        return dict(slots=new, state=state, cache=cache, committed=committed, out=out, count=count, done=done,
+                    stats=stats, step=carry["step"] + 1)
 
-    init = dict(slots=slots, state=state, cache_k=cache_k, cache_v=cache_v, committed=prompt_lengths.astype(jnp.int32),
-                out=out, count=count, done=done, stats=stats, step=jnp.int32(1))
+    init = dict(slots=slots, state=state, cache=cache, committed=prompt_lengths.astype(jnp.int32), out=out,
+                count=count, done=done, stats=stats, step=jnp.int32(1))
     final = jax.lax.while_loop(cond, body, init)
-    return final["out"], final["count"], final["stats"], (final["cache_k"], final["cache_v"], final["committed"])
+    return final["out"], final["count"], final["stats"], (final["cache"], final["committed"])
 
 
 @dataclasses.dataclass
@@ -382,6 +459,7 @@ class PipelineResult(GenerationResult):
     bubbles: int = 0
     exits: int = 0
     rejections: int = 0
+    promotions: int = 0
     draft_cost_layers: float = 0.0
     hides_drafting: bool = True
 

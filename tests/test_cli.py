@@ -175,7 +175,7 @@ def test_parallel_method_refusals(capsys):
                                 "--tree-width", "3"], "chain")
 
 
-@pytest.mark.parametrize("method,extra", [("ppsd", ["--num-stages", "5"]),
+@pytest.mark.parametrize("method,extra", [("ppsd", ["--tree-width", "2", "--num-stages", "5"]),
                                           ("spd", ["--drafter", "untrained", "--num-stages", "3"])])
 def test_pipeline_methods_reproduce_transformers_greedy(smollm2, smollm2_reference, capsys, tmp_path, method, extra):
     """`jaxspec generate --method ppsd|spd --num-stages N` on SmolLM2 at batch 2 (stages emulated on one device):
@@ -199,8 +199,8 @@ def test_pipeline_method_refusals(capsys):
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "spd"], "needs --drafter", "--method ppsd")
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--num-stages", "4"],
                        "--num-stages must divide", "30 layers")
-    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--tree-width", "2"],
-                       "--tree-width does not apply", "docs/spd.md")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--num-draft-tokens", "2"],
+                       "--num-draft-tokens does not apply", "--tree-width")
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--stage-devices", "2"],
                        "needs 2 devices")
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "eagle3", "--num-stages", "5"],

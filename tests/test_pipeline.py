@@ -27,6 +27,7 @@ from jaxspec.model import embed_tokens, forward, init_weights, lm_head
 from jaxspec.pipeline import (
     EarlyExitPipelineDrafter,
     PipelineView,
+    StageCache,
     merge_stages,
     pipeline_generate,
     pipeline_generate_tokens,
@@ -46,16 +47,17 @@ def small_model(num_layers=4, vocab=6, scale=0.3, seed=0):
     return cfg, init_weights(cfg, jax.random.key(seed), scale=scale)
 
 
-def spd(cfg, weights, n, num_layers=1, state="input", seed=1):
+def spd(cfg, weights, n, num_layers=1, state="input", seed=1, width=1):
     scfg = SPDConfig(num_layers=num_layers, num_stages=n, train_num_stages=(n,), draft_vocab_size=0, state=state)
-    return scfg.make_drafter(), scfg.init_params(cfg, weights, jax.random.key(seed))
+    return scfg.make_drafter(tree_width=width), scfg.init_params(cfg, weights, jax.random.key(seed))
 
 
-def drafters(cfg, weights, n):
-    """(label, drafter, params): PPSD and untrained SPD drafters in both states and with 1 and 2 layers."""
-    out = [("ppsd", EarlyExitPipelineDrafter(num_stages=n), None)]
+def drafters(cfg, weights, n, width=1):
+    """(label, drafter, params): PPSD and untrained SPD drafters in both states and with 1 and 2 layers, drafting
+    `width` lanes (the token and its siblings)."""
+    out = [(f"ppsd-W{width}", EarlyExitPipelineDrafter(num_stages=n, tree_width=width), None)]
     for state, layers in (("input", 1), ("input", 2), ("output", 1)):
-        out.append((f"spd-{state}-Ls{layers}", *spd(cfg, weights, n, layers, state)))
+        out.append((f"spd-{state}-Ls{layers}-W{width}", *spd(cfg, weights, n, layers, state, width=width)))
     return out
 
 
@@ -69,18 +71,18 @@ def teacher_forced_logits(cfg, weights, tokens, num_steps, n, mesh=None):
     cache = init_cache(cfg, 1, 64)
     _, _, cache = prefill(weights, cfg, tokens[:, :p], jnp.array([p]), cache)
     layers = split_stages(weights.layers, n)
-    cache_k, cache_v = split_stages((cache.k, cache.v), n)
-    x = jnp.zeros((n, 1, cfg.hidden_size))
+    stage_cache = StageCache(*split_stages((cache.k, cache.v), n))
+    x = jnp.zeros((n, 1, 1, cfg.hidden_size))  # [n, B, W, d]
     positions = jnp.zeros((n, 1), jnp.int32)
     active = jnp.zeros((n, 1), jnp.bool_)
     logits = []
     for step in range(num_steps):
-        x = x.at[0].set(embed_tokens(weights, tokens[:, p + step: p + step + 1])[:, 0])
+        x = x.at[0].set(embed_tokens(weights, tokens[:, p + step: p + step + 1]))
         positions = positions.at[0].set(p + step)
         active = active.at[0].set(True)
-        shifted, _, cache_k, cache_v = pipeline_step(cfg, n, layers, cache_k, cache_v, x, positions, active, mesh)
+        shifted, _, stage_cache = pipeline_step(cfg, n, layers, stage_cache, x, positions, active, mesh)
         if active[n - 1, 0]:
-            logits.append(lm_head(weights, cfg, shifted[0][:, None])[0, 0])
+            logits.append(lm_head(weights, cfg, shifted[0])[0, 0])
         x, positions, active = shifted, jnp.roll(positions, 1, 0), jnp.roll(active, 1, 0)
     return jnp.stack(logits)
 
@@ -97,12 +99,13 @@ def test_pipeline_executor_matches_the_plain_forward(n):
 # ---------------------------------------------------------------------------------------------- greedy
 
 
-def test_greedy_output_equals_autoregressive(tiny_llama3):
+@pytest.mark.parametrize("width", [1, 3])
+def test_greedy_output_equals_autoregressive(tiny_llama3, width):
     _, model, _ = tiny_llama3  # 3 layers: 3 stages of one layer
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(3)]
     reference = generate(model.weights, model.config, prompts, max_new_tokens=20, eos_ids=()).token_ids
-    for label, drafter, params in drafters(model.config, model.weights, 3):
+    for label, drafter, params in drafters(model.config, model.weights, 3, width):
         result = pipeline_generate(model.weights, model.config, drafter, params, prompts, max_new_tokens=20,
                                    eos_ids=())
         assert result.token_ids == reference, label
@@ -120,7 +123,7 @@ def test_greedy_with_a_perfect_drafter_fills_the_pipeline():
     class Oracle(EarlyExitPipelineDrafter):
         def propose(self, params, state, view, target_weights, target_cfg, sampling, rng):
             index = view.positions[0] + 1 - len(prompt)  # the position the draft will take
-            return params[jnp.clip(index, 0, params.shape[0] - 1)], None, state
+            return params[jnp.clip(index, 0, params.shape[0] - 1)][:, None], None, state
 
     result = pipeline_generate(weights, cfg, Oracle(num_stages=4), jnp.asarray(reference + [0] * 8), [prompt],
                                max_new_tokens=24, eos_ids=())
@@ -161,15 +164,16 @@ SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, to
              SamplingConfig(temperature=1.3, top_p=0.8)]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sampled_output_has_the_target_distribution(n):
+@pytest.mark.parametrize("n,width", [(2, 1), (4, 1), (4, 2)])
+def test_sampled_output_has_the_target_distribution(n, width):
     """12,000 sampled 3-token continuations against the target's exact distribution (6^3 sequences enumerated):
     Pearson's chi-square stays under its p = 1e-4 quantile, for PPSD and SPD, at three sampling settings. The same
     samples against the distribution at another temperature fail it, so the check can fail."""
     cfg, weights = small_model(num_layers=4, vocab=6, scale=0.3)
     prompt, length, rows = [1, 2, 3], 3, 4000
     batch = pad_prompts([prompt] * rows, length, cfg, draft_slots=n + 1)
-    for label, drafter, params in drafters(cfg, weights, n)[:2]:  # ppsd and spd-input-Ls1
+    promotions = 0
+    for label, drafter, params in drafters(cfg, weights, n, width)[:2]:  # ppsd and spd-input-Ls1
         for sampling in SAMPLINGS:
             exact = exact_distribution(cfg, weights, prompt, length, sampling)
             counts = np.zeros(cfg.vocab_size ** length)
@@ -182,6 +186,7 @@ def test_sampled_output_has_the_target_distribution(n):
                 counts += np.bincount(codes, minlength=counts.size)
                 rejections += int(stats["rejections"].sum())
                 exits += int(stats["exits"].sum())
+                promotions += int(stats["promotions"].sum())
             assert 0.05 * exits < rejections < 0.95 * exits, (label, sampling)  # both outcomes are exercised
             stat, df = _chi_square(counts, exact)
             assert stat < _chi_square_threshold(df), (label, sampling, stat, df)
@@ -189,25 +194,29 @@ def test_sampled_output_has_the_target_distribution(n):
                                        dataclasses.replace(sampling, temperature=sampling.temperature * 1.5))
             stat_other, df_other = _chi_square(counts, other)
             assert stat_other > _chi_square_threshold(df_other), (label, sampling, stat_other)
+    assert (promotions > 100) == (width > 1)  # W > 1: accepted siblings took the trunk's place
 
 
 # ---------------------------------------------------------------------------------------------- rollback
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
-def test_cache_after_flushes_equals_plain_decoding(tiny_llama3, sampling):
+@pytest.mark.parametrize("sampling,width", [(SamplingConfig(), 1), (SamplingConfig(temperature=1.0), 1),
+                                            (SamplingConfig(temperature=1.0), 4)], ids=["greedy", "T1", "T1-W4"])
+def test_cache_after_flushes_equals_plain_decoding(tiny_llama3, sampling, width):
     """After a generation full of rejections (an untrained early-exit drafter on a random model), every committed
-    slot of every layer holds what a plain prefill of the prompt and the emitted tokens computes."""
+    slot of every layer holds what a plain prefill of the prompt and the emitted tokens computes. With W = 4 some
+    exits accept a sibling instead: its keys and values, copied from the side lanes, must be right too."""
     _, model, _ = tiny_llama3
     cfg, weights = model.config, model.weights
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     batch = pad_prompts(prompts, 16, cfg, draft_slots=4)
-    out, counts, stats, (cache_k, cache_v, committed) = pipeline_generate_tokens(
-        weights, cfg, EarlyExitPipelineDrafter(num_stages=3), None, jnp.asarray(batch.tokens),
+    out, counts, stats, (cache, committed) = pipeline_generate_tokens(
+        weights, cfg, EarlyExitPipelineDrafter(num_stages=3, tree_width=width), None, jnp.asarray(batch.tokens),
         jnp.asarray(batch.lengths), jax.random.key(0), max_new_tokens=16, cache_size=batch.cache_size,
         sampling=sampling)
     assert int(stats["rejections"].sum()) > 5
-    cache_k, cache_v = merge_stages((cache_k, cache_v))  # [L, B, Hkv, S, h]
+    assert (int(stats["promotions"].sum()) > 0) == (width > 1)
+    cache_k, cache_v = merge_stages((cache.k, cache.v))  # [L, B, Hkv, S, h]
     for row, prompt in enumerate(prompts):
         c = int(committed[row])
         text = prompt + np.asarray(out[row]).tolist()

@@ -74,8 +74,9 @@ class SPDConfig:
         vocab = target_cfg.vocab_size if vocab == 0 or vocab > target_cfg.vocab_size else vocab
         return dataclasses.replace(self, draft_vocab_size=vocab, train_num_stages=stages, num_stages=num_stages)
 
-    def make_drafter(self, num_stages: int | None = None) -> SPDDrafter:
-        return SPDDrafter(num_stages=self.num_stages if num_stages is None else num_stages, state=self.state,
+    def make_drafter(self, num_stages: int | None = None, tree_width: int = 1) -> SPDDrafter:
+        return SPDDrafter(num_stages=self.num_stages if num_stages is None else num_stages, tree_width=tree_width,
+                          state=self.state,
                           num_draft_layers=self.num_layers, hides_drafting=self.state == "input")
 
     def init_params(self, target_cfg: ModelConfig, target_weights: Weights, key: jax.Array | None = None,
@@ -174,7 +175,7 @@ class SPDDrafter(PipelineDrafter):
     def propose(self, params, state, view, target_weights, target_cfg, sampling, rng):
         h, cache = self.block(params, state, view, target_weights, target_cfg)
         logits = to_target_logits(params, head_logits(params, target_cfg, h[:, -1]), target_cfg.vocab_size)
-        draft, q = choose_draft(logits, sampling, rng)
+        draft, q = choose_draft(logits, sampling, rng, self.tree_width)
         return draft, q, dataclasses.replace(state, cache=cache)
 
     def update(self, params, state, view, exiting, exit_token, exit_hidden):
