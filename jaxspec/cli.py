@@ -225,7 +225,8 @@ def cmd_generate(args) -> None:
                 }
                 if method.is_pipeline:  # counters of the whole batch
                     stats.update(num_stages=result.num_stages, pipeline_steps=result.steps, bubbles=result.bubbles,
-                                 rejections=result.rejections, sibling_promotions=result.promotions, alpha=round(result.alpha, 4),
+                                 rejections=result.rejections, sibling_promotions=result.promotions,
+                                 alpha=round(result.alpha, 4),
                                  equivalent_acceptance=round(result.equivalent_acceptance, 3))
                 elif method.drafter is not None:
                     row_accepted = result.accepted[i]
