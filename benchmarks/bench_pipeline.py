@@ -54,7 +54,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-eagle3", action="store_true")
     p.add_argument("--out", default="bench_out/pipeline")
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                   help="no runs: combine the rows of earlier results.json files into one table and plot under --out")
     args = p.parse_args(argv)
+    if args.merge:
+        rows, sets, temperatures = [], [], []
+        for path in args.merge:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+        sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
+        temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
+        write(args.out, {"merged": args.merge, "rows": rows}, rows, sets, temperatures)
+        return 0
     from tqdm.auto import tqdm
 
     target = load_model(args.model)
@@ -103,18 +114,22 @@ def main(argv=None) -> int:
                 bar.update(1)
         jax.clear_caches()  # one compiled program per stage count and drafter: keep the memory maps bounded
     bar.close()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"command": " ".join(sys.argv), "model": args.model, "limit": args.limit,
-                   "max_new_tokens": args.max_new_tokens, "seconds": time.perf_counter() - started, "rows": rows}, f,
-                  indent=2)
-    table = format_table(rows, list(sets), temperatures)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
+    write(args.out, {"command": " ".join(sys.argv), "model": args.model, "limit": args.limit,
+                     "max_new_tokens": args.max_new_tokens, "seconds": time.perf_counter() - started, "rows": rows},
+          rows, list(sets), temperatures)
+    return 0
+
+
+def write(out: str, record: dict, rows, set_names, temperatures) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(record, f, indent=2)
+    table = format_table(rows, set_names, temperatures)
+    with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table + "\n")
     print(table)
-    plot(rows, temperatures, os.path.join(args.out, "lacc_vs_stages.png"))
-    print(f"Wrote {args.out}/results.json, table.md, lacc_vs_stages.png")
-    return 0
+    plot(rows, temperatures, os.path.join(out, "lacc_vs_stages.png"))
+    print(f"Wrote {out}/results.json, table.md, lacc_vs_stages.png")
 
 
 def format_table(rows, set_names, temperatures) -> str:
