@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-eagle3", action="store_true")
+    p.add_argument("--no-ppsd", action="store_true")
+    p.add_argument("--tree-width", type=int, default=1, help="W lanes per drafted token (ppsd and spd)")
     p.add_argument("--out", default="bench_out/pipeline")
     p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
                    help="no runs: combine the rows of earlier results.json files into one table and plot under --out")
@@ -78,13 +80,18 @@ def main(argv=None) -> int:
     runs = []  # (label, method name, options, stage count)
     if not args.no_eagle3:
         runs.append(("eagle3", "eagle3", MethodOptions(), None))
+    w = args.tree_width
+    tag = f" W={w}" if w > 1 else ""
     for n in stages:
-        runs.append((f"ppsd n={n}", "ppsd", MethodOptions(num_stages=n), n))
+        if not args.no_ppsd:
+            runs.append((f"ppsd{tag} n={n}", "ppsd", MethodOptions(num_stages=n, tree_width=w), n))
         for label, path in _pairs(args.spd):
-            runs.append((f"spd[{label}] n={n}", "spd", MethodOptions(drafter=path, num_stages=n), n))
+            runs.append((f"spd[{label}]{tag} n={n}", "spd", MethodOptions(drafter=path, num_stages=n, tree_width=w),
+                         n))
     for n in output_stages:
         for label, path in _pairs(args.spd_output):
-            runs.append((f"spd-output[{label}] n={n}", "spd", MethodOptions(drafter=path, num_stages=n), n))
+            runs.append((f"spd-output[{label}]{tag} n={n}", "spd",
+                         MethodOptions(drafter=path, num_stages=n, tree_width=w), n))
     rows = []
     bar = tqdm(total=len(runs) * len(temperatures) * len(sets), desc="pipeline sweep", unit="run")
     started = time.perf_counter()
@@ -101,6 +108,7 @@ def main(argv=None) -> int:
                     l_acc = result.equivalent_acceptance
                     row.update(draft_layers=ls, hides_drafting=method.drafter.hides_drafting, steps=result.steps,
                                bubbles=result.bubbles, exits=result.exits, rejections=result.rejections,
+                               promotions=result.promotions, tree_width=method.drafter.tree_width,
                                alpha=result.alpha, equivalent_acceptance=l_acc,
                                theoretical_speedup=l_acc if method.drafter.hides_drafting else
                                metrics.ppsd_speedup(l_acc, cfg.num_layers, ls, n))
