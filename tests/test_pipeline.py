@@ -160,41 +160,41 @@ def exact_distribution(cfg, weights, prompt, length, sampling):
     return np.prod(np.take_along_axis(p, seqs[..., None], axis=2)[..., 0], axis=1)
 
 
-SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
-             SamplingConfig(temperature=1.3, top_p=0.8)]
+T1, T07_K3, T13_P08 = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
+                       SamplingConfig(temperature=1.3, top_p=0.8))
 
 
-@pytest.mark.parametrize("n,width", [(2, 1), (4, 1), (4, 2)])
-def test_sampled_output_has_the_target_distribution(n, width):
-    """12,000 sampled 3-token continuations against the target's exact distribution (6^3 sequences enumerated):
-    Pearson's chi-square stays under its p = 1e-4 quantile, for PPSD and SPD, at three sampling settings. The same
-    samples against the distribution at another temperature fail it, so the check can fail."""
+@pytest.mark.parametrize("n,width,kind,sampling", [
+    (2, 1, "ppsd", T1), (2, 1, "spd", T07_K3), (4, 1, "spd", T13_P08), (4, 1, "ppsd", T07_K3),
+    (4, 2, "ppsd", T1), (4, 2, "spd", T13_P08)])
+def test_sampled_output_has_the_target_distribution(n, width, kind, sampling):
+    """12,000 sampled 3-token continuations against the target's exact distribution (all 6^3 sequences enumerated):
+    Pearson's chi-square stays under its p = 1e-4 quantile. The same samples against the distribution at 1.5x the
+    temperature fail it, so the check can fail. Both outcomes of the acceptance rule are exercised (and, with
+    W = 2, siblings accepted in the trunk's place)."""
     cfg, weights = small_model(num_layers=4, vocab=6, scale=0.3)
     prompt, length, rows = [1, 2, 3], 3, 4000
     batch = pad_prompts([prompt] * rows, length, cfg, draft_slots=n + 1)
-    promotions = 0
-    for label, drafter, params in drafters(cfg, weights, n, width)[:2]:  # ppsd and spd-input-Ls1
-        for sampling in SAMPLINGS:
-            exact = exact_distribution(cfg, weights, prompt, length, sampling)
-            counts = np.zeros(cfg.vocab_size ** length)
-            rejections = exits = 0
-            for seed in range(3):
-                out, _, stats, _ = pipeline_generate_tokens(
-                    weights, cfg, drafter, params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-                    jax.random.key(seed), max_new_tokens=length, cache_size=batch.cache_size, sampling=sampling)
-                codes = np.asarray(out) @ (cfg.vocab_size ** np.arange(length - 1, -1, -1))
-                counts += np.bincount(codes, minlength=counts.size)
-                rejections += int(stats["rejections"].sum())
-                exits += int(stats["exits"].sum())
-                promotions += int(stats["promotions"].sum())
-            assert 0.05 * exits < rejections < 0.95 * exits, (label, sampling)  # both outcomes are exercised
-            stat, df = _chi_square(counts, exact)
-            assert stat < _chi_square_threshold(df), (label, sampling, stat, df)
-            other = exact_distribution(cfg, weights, prompt, length,
-                                       dataclasses.replace(sampling, temperature=sampling.temperature * 1.5))
-            stat_other, df_other = _chi_square(counts, other)
-            assert stat_other > _chi_square_threshold(df_other), (label, sampling, stat_other)
-    assert (promotions > 100) == (width > 1)  # W > 1: accepted siblings took the trunk's place
+    _, drafter, params = drafters(cfg, weights, n, width)[0 if kind == "ppsd" else 1]  # ppsd or spd-input-Ls1
+    exact = exact_distribution(cfg, weights, prompt, length, sampling)
+    counts = np.zeros(cfg.vocab_size ** length)
+    totals = dict.fromkeys(("rejections", "exits", "promotions"), 0)
+    for seed in range(3):
+        out, _, stats, _ = pipeline_generate_tokens(
+            weights, cfg, drafter, params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+            jax.random.key(seed), max_new_tokens=length, cache_size=batch.cache_size, sampling=sampling)
+        codes = np.asarray(out) @ (cfg.vocab_size ** np.arange(length - 1, -1, -1))
+        counts += np.bincount(codes, minlength=counts.size)
+        for name in totals:
+            totals[name] += int(stats[name].sum())
+    assert 0.05 * totals["exits"] < totals["rejections"] < 0.95 * totals["exits"], totals
+    assert (totals["promotions"] > 100) == (width > 1), totals
+    stat, df = _chi_square(counts, exact)
+    assert stat < _chi_square_threshold(df), (stat, df)
+    other = exact_distribution(cfg, weights, prompt, length,
+                               dataclasses.replace(sampling, temperature=sampling.temperature * 1.5))
+    stat_other, df_other = _chi_square(counts, other)
+    assert stat_other > _chi_square_threshold(df_other), stat_other
 
 
 # ---------------------------------------------------------------------------------------------- rollback
