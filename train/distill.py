@@ -270,6 +270,9 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
                 f.write(json.dumps(record) + "\n")
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
+        # saved before the evaluation, so a failing evaluation loses no training
+        checkpointer.save(step, {"params": params, "opt_state": opt_state, "step": step, "data_position": position},
+                          force=step == run.steps)
         if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
             eval_prompts = dataset.held_out_prompts(held_out)[: run.eval_prompts]
             tau_value = evaluate_tau(trainable, method_cfg, params, target, eval_prompts)
@@ -279,8 +282,6 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
                 bar.write(f"step {step}: tau {tau_value:.3f} on {len(eval_prompts)} held-out prompts")
         if bar is not None:
             bar.update(1)
-        checkpointer.save(step, {"params": params, "opt_state": opt_state, "step": step, "data_position": position},
-                          force=step == run.steps)
         if stop_after is not None and steps_this_call >= stop_after:
             break
     checkpointer.wait_until_finished()
