@@ -331,7 +331,7 @@ def child_results(smollm2):
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], check=False, env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, f"child failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
