@@ -166,7 +166,7 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
 
 def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
     """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
-    from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, stage_mesh
+    from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, replicate_on, stage_mesh
 
     for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-nodes", options.tree_nodes),
                         ("--budget", options.budget), ("--exit-layer", options.exit_layer),
@@ -199,6 +199,9 @@ def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> 
         if options.stage_devices < 1:
             raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
         mesh = stage_mesh(drafter.num_stages, options.stage_devices)
+        # the weights and the drafter replicated on the mesh once, not at every generation
+        weights, params = replicate_on(mesh, (target.weights, params))
+        target = dataclasses.replace(target, weights=weights)
     return Method(name=name, drafter=drafter, params=params, target=target, mesh=mesh)
 
 

@@ -195,6 +195,19 @@ def stage_mesh(num_stages: int, num_devices: int | None = None, devices: Sequenc
     return Mesh(np.array(devices[:num_devices]), (STAGE,))
 
 
+def replicate_on(mesh: Mesh, tree: Any) -> Any:
+    """Every array of `tree` replicated on the mesh's devices (a no-op for arrays already there)."""
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        if isinstance(x, jax.Array) and x.sharding.device_set == devices:
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree.map(place, tree)
+
+
 def place_on_stages(tree: Any, mesh: Mesh) -> Any:
     """Puts stage-split arrays ([n, ...]) on the mesh, sharded over 'stage'."""
     return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(STAGE)))
@@ -501,6 +514,8 @@ def pipeline_generate(
                         "stage devices.")
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_stages + 1)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    if mesh is not None:  # arrays committed to one device cannot enter a program laid out on the mesh
+        weights, drafter_params = replicate_on(mesh, (weights, drafter_params))
     start = time.perf_counter()
     out, counts, stats, _ = pipeline_generate_tokens(
         weights, cfg, drafter, drafter_params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
