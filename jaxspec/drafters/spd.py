@@ -235,7 +235,7 @@ def spd_block_logits(params: SPDParams, target_cfg: ModelConfig, emb, hidden, oc
     for t in range(n):
         back = n - 1 - t
         depth = min(back + offset, n)
-        f = fuse_snapshots(params, emb, deepest[depth], middle[depth] if depth < n else deepest[n])  # [B, N, d]
+        f = fuse_snapshots(params, emb, deepest[depth], middle[depth])  # [B, N, d] (depth n: final, final)
         slot_feats.append(jnp.roll(f, back, axis=1))  # position i holds token i - back (wrapped ones are masked)
         slot_positions.append(positions - back)
     feats = jnp.stack(slot_feats, axis=2).reshape(b * length, n, d)  # [B N, n, d]
@@ -287,12 +287,9 @@ def spd_training_loss(params, mcfg: SPDConfig, target_weights, target_cfg, featu
     pick_key, loss_key = jax.random.split(key)
 
     def branch(n):
-        def run(params):
-            loss, metrics = spd_loss(params, target_weights, target_cfg, features.tokens, features.hidden,
-                                     features.logits, loss_mask, loss_key, num_stages=n, state=mcfg.state,
-                                     full_rate=mcfg.full_pipeline_rate, kind=loss_cfg.kind)
-            return loss, metrics
-        return run
+        return lambda params: spd_loss(params, target_weights, target_cfg, features.tokens, features.hidden,
+                                       features.logits, loss_mask, loss_key, num_stages=n, state=mcfg.state,
+                                       full_rate=mcfg.full_pipeline_rate, kind=loss_cfg.kind)
 
     index = jax.random.randint(pick_key, (), 0, len(stages))
     loss, metrics = jax.lax.switch(index, [branch(n) for n in stages], params)
