@@ -3,6 +3,7 @@
     jaxspec bench                                          # SmolLM2-135M; AR, prompt lookup, early exit; 3 sets
     jaxspec bench --methods prompt-lookup --num-draft-tokens 2,4,8 --prompt-sets gsm8k --limit 16
     jaxspec bench --temperatures 0,1 --batch-sizes 1,4 --out bench_out/ --no-peers
+    jaxspec bench --mesh data=4,model=1 --batch-sizes 4,8 --prompt-sets mt-bench --no-peers
 
 For each prompt set x temperature x batch size, every method (autoregressive always first, as the baseline)
 decodes all prompts of the set in batches of that size, with the model's EOS. Reported per run: tokens/s (all new
@@ -160,6 +161,17 @@ def method_label(name: str, k: int | None, width: int = 1) -> str:
     return name if k is None else f"{name} K={k}" + (f" W={width}" if width > 1 else "")
 
 
+def mesh_label(mesh) -> str:
+    """The shape of a method's device mesh for the results: "4x2" (data x model), "stage=5" for a pipeline's stage
+    mesh, "1 device" without one."""
+    if mesh is None:
+        return "1 device"
+    sizes = dict(mesh.shape)
+    if tuple(sizes) == ("data", "model"):
+        return f"{sizes['data']}x{sizes['model']}"
+    return ",".join(f"{name}={size}" for name, size in sizes.items())
+
+
 def _label(method: Method, batch_size: int = 1) -> str:
     """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3) or is a budget (DFlash,
     DDTree, JetSpec)."""
@@ -244,6 +256,8 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
         # --budget auto: the throughput model behind the choice at this batch size
         "auto_budget_table": method.auto_budget(batch_size)[1] if method.cost_model is not None else None,
         "label": _label(method, batch_size),
+        "mesh": mesh_label(method.mesh),  # "4x2" (data x model), "1 device"
+        "mesh_shape": None if method.mesh is None else dict(method.mesh.shape),
         "prompt_set": prompt_set,
         "temperature": temperature,
         "batch_size": batch_size,
@@ -308,6 +322,14 @@ def _greedy_warning(row: dict) -> str:
             f"{first['prompt']} at token {first['first_mismatch']}). Greedy speculative decoding must be identical.")
 
 
+def _baseline_like(target: LoadedModel, methods: Sequence[Method]) -> Method:
+    """Autoregressive decoding on the same (data, model) mesh as the given methods (one device when they have none)."""
+    on_mesh = next((m for m in methods if m.mesh is not None and not m.is_pipeline), None)
+    if on_mesh is None:
+        return build_method(BASELINE, target)
+    return Method(name=BASELINE, drafter=None, params=None, target=on_mesh.target, mesh=on_mesh.mesh)
+
+
 def run_bench(
     target: LoadedModel,
     methods: Sequence[Method],
@@ -349,7 +371,7 @@ def run_bench(
     methods = list(methods)
     baselines = [m for m in methods if m.drafter is None]
     others = [m for m in methods if m.drafter is not None]
-    methods = [baselines[0] if baselines else build_method(BASELINE, target), *others]
+    methods = [baselines[0] if baselines else _baseline_like(target, others), *others]
     if not prompt_sets or any(len(p) == 0 for p in prompt_sets.values()):
         raise UserError("Every prompt set needs at least one prompt.")
 
@@ -542,7 +564,7 @@ def _ordered(results: Sequence[dict]) -> list[dict]:
 
 def format_table(bench: dict) -> str:
     """The results as a plain-text table (one line per method, prompt set, temperature and batch size)."""
-    header = ["method", "K", "set", "T", "batch", "prompts", "tokens", "tok/s", "speedup", "tau", "theory",
+    header = ["method", "K", "set", "T", "batch", "mesh", "prompts", "tokens", "tok/s", "speedup", "tau", "theory",
               "accept@1..4", "=AR"]
     lines = []
     for r in _ordered(bench["results"]):
@@ -557,12 +579,12 @@ def format_table(bench: dict) -> str:
         theory = r.get("theoretical_speedup")
         k_text = _fmt(r["num_draft_tokens"], "d") + (f"x{width}" if width > 1 else "")
         lines.append([r["method"], k_text, r["prompt_set"], f"{r['temperature']:g}",
-                      str(r["batch_size"]), str(r["num_prompts"]), str(r["new_tokens"]),
+                      str(r["batch_size"]), r.get("mesh") or "-", str(r["num_prompts"]), str(r["new_tokens"]),
                       _fmt(r["tokens_per_second"], ".1f"), _fmt(r["speedup"]) + ("x" if r["speedup"] else ""),
                       _fmt(r["tau"]), _fmt(theory) + ("x" if theory else ""),
                       _acceptance(r["acceptance_by_position"]), equal_text])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
-    left = {0, 2, 11}
+    left = {0, 2, 5, 12}
 
     def fmt(cells):
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -698,15 +720,34 @@ def _check_args(args) -> None:
         raise UserError(f"--batch-sizes must be at least 1, got {args.batch_sizes}.")
     if min(args.temperatures) < 0:
         raise UserError(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}.")
+    from jaxspec.cli import check_mesh_arg
+
+    check_mesh_arg(args)
+
+
+def _check_mesh_batches(args, prompt_sets: Mapping[str, Sequence]) -> None:
+    """--mesh: every batch (the last, shorter one of a set included) must split over the data axis."""
+    if getattr(args, "mesh", None) is None:
+        return
+    from jaxspec.sharding import parse_mesh
+
+    data = parse_mesh(args.mesh)[0]
+    for name, prompts in prompt_sets.items():
+        for batch_size in args.batch_sizes:
+            sizes = sorted({len(rows) for rows in _batches(prompts, batch_size)})
+            if any(size % data for size in sizes):
+                raise UserError(
+                    f"--mesh {args.mesh}: the data axis of size {data} must divide every batch, but {name}'s "
+                    f"{len(prompts)} prompts at batch size {batch_size} make batches of {sizes} rows; use batch "
+                    f"sizes and a --limit that are multiples of {data}.")
 
 
 def build_methods(target: LoadedModel, args) -> list[Method]:
     """Autoregressive, then each requested method once per K of --num-draft-tokens (once with its default K)."""
     from jaxspec.cli import method_options
+    from jaxspec.methods import PARALLEL_METHODS, MethodOptions
 
-    methods = [build_method(BASELINE, target)]
-    from jaxspec.methods import PARALLEL_METHODS
-
+    methods = [build_method(BASELINE, target, MethodOptions(mesh=getattr(args, "mesh", None)))]
     ks = args.num_draft_tokens or [None]
     budgets = getattr(args, "budget", None) or [None]
     for spec in args.methods:
@@ -762,9 +803,10 @@ def cmd_bench(args) -> None:
     if target.tokenizer is None:
         raise UserError(f"'{target.source}' has no tokenizer (tokenizer.json); the benchmark encodes text prompts.")
     prompt_sets = {name: [encode_prompt(target.tokenizer, t) for t in prompts] for name, prompts in texts.items()}
+    _check_mesh_batches(args, prompt_sets)
     methods = build_methods(target, args)
     lookup_ks = [method_k(m) for m in methods if m.name == "prompt-lookup"] or [4]
-    print(f"jaxspec bench: {target.source} on {jax.default_backend()}; methods "
+    print(f"jaxspec bench: {target.source} on {jax.default_backend()} ({mesh_label(methods[0].mesh)}); methods "
           f"{', '.join(_label(m) for m in methods)}; sets {', '.join(prompt_sets)} "
           f"({args.limit} prompts each); T {args.temperatures}; batch {args.batch_sizes}; "
           f"{args.max_new_tokens} new tokens", file=sys.stderr)

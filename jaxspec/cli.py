@@ -2,6 +2,10 @@
 
     jaxspec generate --prompt "What is the capital of France?"
     jaxspec generate --model path/to/model.gguf --prompts-file prompts.jsonl --json
+    jaxspec generate --mesh data=4,model=2 --method eagle3 --prompts-file prompts.jsonl --json --batch-size 8
+
+With --mesh the batch rows split over the mesh's data axis; a batch that the data axis does not divide is padded
+with copies of its last prompt, whose outputs are dropped.
 
 Mistakes a user can fix (a missing model, a bad file, a prompt that does not fit) print one line on stderr and
 exit with status 2, without a traceback.
@@ -10,6 +14,7 @@ exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -76,6 +81,13 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-devices", type=int, default=1,
                    help="ppsd, spd: devices the stages run on (shard_map over a 'stage' mesh axis; must divide n); "
                         "1 emulates the stages on one device")
+    p.add_argument("--mesh", default=None,
+                   help="run on a device mesh, e.g. data=4,model=2: data splits the batch rows, model the attention "
+                        "heads, feed-forward width and vocabulary (tensor parallel); default one device")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host (TPU pods, several GPU hosts): call jax.distributed.initialize() first, which "
+                        "reads the coordinator and process ids from the environment; every host runs the same "
+                        "command and --mesh spans the devices of all hosts")
     p.add_argument("--ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: number of target layers that draft (default: a quarter of them)")
@@ -89,7 +101,50 @@ def method_options(args):
                          tree_width=args.tree_width, tree_nodes=args.tree_nodes, ngram=args.ngram,
                          exit_layer=args.exit_layer, drafter=args.drafter,
                          budget=getattr(args, "budget", None), refresh_steps=getattr(args, "refresh_steps", None),
-                         num_stages=getattr(args, "num_stages", None), stage_devices=getattr(args, "stage_devices", 1))
+                         num_stages=getattr(args, "num_stages", None), stage_devices=getattr(args, "stage_devices", 1),
+                         mesh=getattr(args, "mesh", None))
+
+
+def check_mesh_arg(args) -> None:
+    """Refuses a bad --mesh (unknown axis, sizes that do not multiply to the device count) before any model loads."""
+    if getattr(args, "mesh", None) is not None:
+        from jaxspec.sharding import make_mesh, parse_mesh
+
+        make_mesh(*parse_mesh(args.mesh))
+
+
+def initialize_distributed(args) -> None:
+    """--distributed: joins the multi-host run before anything touches the devices (a no-op when already joined)."""
+    if not getattr(args, "distributed", False):
+        return
+    import jax
+
+    if jax.distributed.is_initialized():
+        return
+    try:
+        jax.distributed.initialize()  # coordinator address, process count and id from the environment (TPU, SLURM)
+    except (ValueError, RuntimeError) as e:
+        raise UserError(f"--distributed: jax.distributed.initialize() failed ({' '.join(str(e).split())}); on a "
+                        "TPU pod or under SLURM it finds the other hosts itself, elsewhere set "
+                        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.") from None
+
+
+def _mesh_rows(method) -> int:
+    """Rows the method's batch must be a multiple of: the size of its mesh's data axis (1 without one)."""
+    mesh = method.mesh
+    return dict(mesh.shape).get("data", 1) if mesh is not None else 1
+
+
+def _generate_padded(method, rows, **options):
+    """method.generate on `rows`, padded with copies of the last row up to a multiple of the mesh's data axis;
+    the padding rows' outputs are dropped (the timing covers the padded batch)."""
+    pad = -len(rows) % _mesh_rows(method)
+    result = method.generate(list(rows) + [rows[-1]] * pad, **options)
+    if pad:
+        trimmed = {name: getattr(result, name)[:len(rows)] for name in ("token_ids", "rounds", "accepted")
+                   if isinstance(getattr(result, name, None), list)}
+        result = dataclasses.replace(result, **trimmed)
+    return result
 
 
 def _budget(text: str):
@@ -167,7 +222,7 @@ def dtype_from_name(name: str):
 def cmd_generate(args) -> None:
     from jaxspec.generate import stream_generate
     from jaxspec.loading import load_model
-    from jaxspec.methods import build_method
+    from jaxspec.methods import MethodOptions, build_method
     from jaxspec.metrics import tau
     from jaxspec.sampling import SamplingConfig
     from jaxspec.tokenizer import encode_prompt
@@ -179,6 +234,7 @@ def cmd_generate(args) -> None:
         raise UserError("Give a prompt with --prompt TEXT or --prompts-file FILE.")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    check_mesh_arg(args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model = load_model(args.model, dtype=dtype_from_name(args.dtype))
     if model.tokenizer is None:
@@ -197,22 +253,22 @@ def cmd_generate(args) -> None:
     if args.speedup and method.drafter is None:
         raise UserError("--speedup compares a speculative method with autoregressive decoding; add e.g. "
                         "--method eagle3.")
-    baseline = build_method("autoregressive", model) if args.speedup else None
+    baseline = build_method("autoregressive", model, MethodOptions(mesh=args.mesh)) if args.speedup else None
     if method.cost_model is not None:  # --budget auto: show the choice and the model behind it
         from jaxspec.budget import format_budget_table
 
         rows = min(len(prompt_ids), args.batch_size) if args.json else 1
         budget, table = method.auto_budget(rows)
         print(f"[--budget auto at batch {rows}: budget {budget}]\n{format_budget_table(table)}", file=sys.stderr)
-    if args.json or method.drafter is not None:
+    if args.json or method.drafter is not None or method.mesh is not None:  # streaming: one device, no drafter
         for start in range(0, len(prompts), args.batch_size if args.json else 1):
             rows = prompt_ids[start: start + (args.batch_size if args.json else 1)]
             ar_result = None
             if baseline is not None:  # warm-up runs compile both; the timed runs follow
-                method.generate(rows, **options)
-                baseline.generate(rows, **options)
-                ar_result = baseline.generate(rows, **options)
-            result = method.generate(rows, **options)
+                _generate_padded(method, rows, **options)
+                _generate_padded(baseline, rows, **options)
+                ar_result = _generate_padded(baseline, rows, **options)
+            result = _generate_padded(method, rows, **options)
             for i, ids in enumerate(result.token_ids):
                 text_ids = [t for t in ids if t not in eos]
                 text = model.tokenizer.decode(text_ids, skip_special_tokens=True)
@@ -316,6 +372,7 @@ def cmd_export(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        initialize_distributed(args)
         if args.command == "generate":
             cmd_generate(args)
         elif args.command == "bench":

@@ -16,12 +16,14 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, causal_mask, forward, lm_head
+from jaxspec.model import Weights, causal_mask, lm_head
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
+from jaxspec.sharding import forward_on_mesh, place_inputs, to_host
 
 PAD = -1  # emitted after a row's EOS
 PROMPT_BUCKET = 64
@@ -36,30 +38,33 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
-            **forward_kwargs):
+            mesh: Mesh | None = None, **forward_kwargs):
     """Runs the prompts and commits them to the (empty) cache.
 
     Args:
         tokens: int32[B, P] right-padded prompts; prompt_lengths: int32[B] (>= 1).
+        mesh: a (data, model) mesh to run the forward on (`jaxspec.sharding.forward_on_mesh`), or None.
     Returns:
         (last_logits [B, V] at each row's last prompt token, ForwardOutput (logits None: only the last
         positions go through the LM head), cache with lengths = prompt_lengths).
     """
     b, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = forward(weights, cfg, tokens, positions, cache, causal_mask(b, p), compute_logits=False, **forward_kwargs)
+    out = forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, causal_mask(b, p), compute_logits=False,
+                          **forward_kwargs)
     last_hidden = jnp.take_along_axis(out.last_hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
     last = lm_head(weights, cfg, last_hidden)[:, 0]  # [B, V]: the LM head only where it is needed
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + prompt_lengths.astype(jnp.int32))
     return last, out, cache
 
 
-def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVCache, advance: jax.Array):
+def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVCache, advance: jax.Array,
+                mesh: Mesh | None = None):
     """Feeds one token per row at position lengths[b]; returns (logits [B, V], cache).
 
     token: int32[B]; advance: bool[B], rows whose cache length moves on (finished rows stay put).
     """
-    out = forward(weights, cfg, token[:, None], cache.lengths[:, None], cache)
+    out = forward_on_mesh(mesh, weights, cfg, token[:, None], cache.lengths[:, None], cache)
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + advance.astype(jnp.int32))
     return out.logits[:, 0], cache
 
@@ -70,7 +75,7 @@ def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_size", "sampling", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_size", "sampling", "eos_ids", "mesh"))
 def generate_tokens(
     weights: Weights,
     cfg: ModelConfig,
@@ -82,17 +87,19 @@ def generate_tokens(
     cache_size: int,
     sampling: SamplingConfig = GREEDY,
     eos_ids: tuple[int, ...] = (),
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Jitted autoregressive generation for a batch of right-padded prompts.
 
     Args:
         tokens: int32[B, P]; prompt_lengths: int32[B]; rng: a PRNG key (unused when greedy).
+        mesh: run every target forward on this (data, model) mesh (inputs placed with `jaxspec.sharding`).
     Returns:
         (new_tokens int32[B, max_new_tokens] with PAD after each row's EOS, num_new int32[B] including the EOS).
     """
     b = tokens.shape[0]
     cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
-    logits, _, cache = prefill(weights, cfg, tokens, prompt_lengths, cache)
+    logits, _, cache = prefill(weights, cfg, tokens, prompt_lengths, cache, mesh)
     first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
     out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
     done = _is_eos(first, eos_ids)
@@ -103,7 +110,7 @@ def generate_tokens(
 
     def body(state):
         step, cache, out, last, done = state
-        logits, cache = decode_step(weights, cfg, last, cache, ~done)
+        logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh)
         new = sample_token(jax.random.fold_in(rng, step), logits, sampling)
         new = jnp.where(done, PAD, new)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
@@ -189,16 +196,21 @@ def generate(
     seed: int = 0,
     eos_ids: Sequence[int] | None = None,
     max_cache_length: int | None = None,
+    mesh: Mesh | None = None,
 ) -> GenerationResult:
-    """Generates for a batch of token-id prompts of any lengths; returns the new ids of every row."""
+    """Generates for a batch of token-id prompts of any lengths; returns the new ids of every row.
+
+    mesh: a (data, model) mesh (`jaxspec.sharding.make_mesh`) to run on; the batch must split over its data axis.
+    """
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    weights, tokens, lengths, rng = place_inputs(mesh, cfg, weights, batch.tokens, batch.lengths, seed)
     start = time.perf_counter()
     out, counts = generate_tokens(
-        weights, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jax.random.key(seed),
-        max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling, eos_ids=eos,
+        weights, cfg, tokens, lengths, rng, max_new_tokens=max_new_tokens, cache_size=batch.cache_size,
+        sampling=sampling, eos_ids=eos, mesh=mesh,
     )
-    out, counts = np.asarray(out), np.asarray(counts)
+    out, counts = to_host(out), to_host(counts)
     seconds = time.perf_counter() - start
     return GenerationResult(token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))], seconds=seconds)
 

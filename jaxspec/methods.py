@@ -46,6 +46,7 @@ class MethodOptions:
     refresh_steps: int | None = None  # jetspec: tree-causal re-scoring forwards per round
     num_stages: int | None = None  # ppsd/spd: pipeline stages (default: spd the drafter's, ppsd 5 or a divisor)
     stage_devices: int = 1  # ppsd/spd: devices the stages are laid out on (1: emulated on one device)
+    mesh: str | None = None  # "data=4,model=2": run on a (data, model) device mesh (jaxspec.sharding); None: one device
 
 
 DEFAULT_DRAFT_TOKENS = {"draft-model": 4, "prompt-lookup": 4, "early-exit": 3}
@@ -60,7 +61,9 @@ class Method:
     params: Any
     target: LoadedModel
     cost_model: Any = None  # --budget auto: the device's verification cost model (jaxspec.budget.CostModel)
-    mesh: Any = None  # ppsd/spd: the 'stage' mesh, None when the stages are emulated on one device
+    # the device mesh: a (data, model) mesh for every method given --mesh; for ppsd/spd the 'stage' mesh of
+    # --stage-devices. None: one device.
+    mesh: Any = None
 
     @property
     def is_pipeline(self) -> bool:
@@ -94,18 +97,38 @@ class Method:
                       max_cache_length=max_cache_length)
         t = self.target
         if self.drafter is None:
-            return generate(t.weights, t.config, prompt_ids, **kwargs)
+            return generate(t.weights, t.config, prompt_ids, mesh=self.mesh, **kwargs)
         if self.is_pipeline:
             from jaxspec.pipeline import pipeline_generate
 
             return pipeline_generate(t.weights, t.config, self.drafter, self.params, prompt_ids, mesh=self.mesh,
                                      **kwargs)
         drafter = self.drafter_for_batch(len(prompt_ids))
-        return speculative_generate(t.weights, t.config, drafter, self.params, prompt_ids, **kwargs)
+        return speculative_generate(t.weights, t.config, drafter, self.params, prompt_ids, mesh=self.mesh, **kwargs)
 
 
 def build_method(name: str, target: LoadedModel, options: MethodOptions = MethodOptions()) -> Method:
-    """Builds a method for `target`, refusing settings that cannot work with a clear error."""
+    """Builds a method for `target`, refusing settings that cannot work with a clear error.
+
+    With options.mesh ("data=4,model=2") the method runs on that device mesh: the target's weights are split over
+    the model axis once here and the drafter's parameters replicated; every method then decodes through the same
+    loop, with the target's forwards and the acceptance under shard_map (jaxspec.sharding).
+    """
+    if options.mesh is None:
+        return _build_method(name, target, options)
+    from jaxspec.sharding import check_divisible, make_mesh, parse_mesh, replicate_on_mesh, shard_weights
+
+    if name in PIPELINE_METHODS:
+        raise UserError(f"{name} lays the target's layers out as pipeline stages over --stage-devices; it does not "
+                        "run on a --mesh of data and model axes. Drop --mesh, or use another method.")
+    mesh = make_mesh(*parse_mesh(options.mesh))
+    check_divisible(target.config, None, mesh)  # heads, kv heads, f and vocabulary; the batch when it is known
+    method = _build_method(name, target, options)
+    target = dataclasses.replace(method.target, weights=shard_weights(method.target.weights, mesh))
+    return dataclasses.replace(method, target=target, params=replicate_on_mesh(mesh, method.params), mesh=mesh)
+
+
+def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
     from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
 
     if name not in METHODS:

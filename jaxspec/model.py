@@ -140,9 +140,17 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
     return out.reshape(b, t, hq, h)
 
 
-def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask):
+def _sum_shards(x: jax.Array, model_axis: str | None) -> jax.Array:
+    """Tensor parallelism: adds the partial results of the devices that each hold a slice of the heads or of f."""
+    return x if model_axis is None else jax.lax.psum(x, model_axis)
+
+
+def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask,
+           model_axis=None):
     """One decoder layer. x: [B, T, d]; lw: one layer's weights (no L axis); cache_k/v: [B, Hkv, S, h] or None.
 
+    Head counts come from the weights' shapes, so inside shard_map with the heads and f split over `model_axis`
+    this runs on the local slice and sums the two output projections over the axis (Megatron-style).
     Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]).
     """
     hx = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
@@ -157,36 +165,44 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask)
-    x = x + jnp.einsum("btnh,nhd->btd", attn, lw.wo)
+    x = x + _sum_shards(jnp.einsum("btnh,nhd->btd", attn, lw.wo), model_axis)
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     gate = jnp.einsum("btd,df->btf", hx, lw.w_gate)
     up = jnp.einsum("btd,df->btf", hx, lw.w_up)
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw.w_down)
+    x = x + _sum_shards(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw.w_down), model_axis)
     return x, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, cache_v, cache_lengths, mask, *,
-               keep_hidden: bool = False):
+               keep_hidden: bool = False, model_axis: str | None = None):
     """Runs a stack of layers (a scan over their leading axis) without touching the cache.
 
     layers: LayerWeights with a leading axis Lr; x: [B, T, d]; positions: int32[B, T]; cache_k, cache_v:
     [Lr, B, Hkv, S, h] or None; cache_lengths: int32[B] (slots visible per row); mask: bool[B, T, T] or None.
+    model_axis: inside shard_map, the mesh axis the heads and f are split over (see `_layer`).
     Returns (x [B, T, d], new_k [Lr, B, Hkv, T, h], new_v, hidden [Lr, B, T, d] or None: every layer's output).
     """
     inv_freq = rope_inverse_frequencies(cfg)
 
     def body(x, per_layer):
         lw, ck, cv = per_layer
-        x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask)
+        x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask, model_axis)
         return x, (nk, nv, x if keep_hidden else None)
 
     x, (new_k, new_v, hidden) = jax.lax.scan(body, x, (layers, cache_k, cache_v))
     return x, new_k, new_v, hidden
 
 
-def embed_tokens(weights: Weights, tokens: jax.Array) -> jax.Array:
-    """tokens: int32[B, T] -> [B, T, d]."""
-    return jnp.take(weights.embed, tokens, axis=0)
+def embed_tokens(weights: Weights, tokens: jax.Array, model_axis: str | None = None) -> jax.Array:
+    """tokens: int32[B, T] -> [B, T, d]. With the embedding's vocabulary split over `model_axis` (inside
+    shard_map) each device looks up the tokens in its slice and the rows are summed over the axis."""
+    if model_axis is None:
+        return jnp.take(weights.embed, tokens, axis=0)
+    local_size = weights.embed.shape[0]
+    local = tokens - jax.lax.axis_index(model_axis) * local_size  # [B, T]
+    inside = (local >= 0) & (local < local_size)
+    rows = jnp.take(weights.embed, jnp.clip(local, 0, local_size - 1), axis=0)  # [B, T, d]
+    return jax.lax.psum(jnp.where(inside[..., None], rows, 0), model_axis)
 
 
 def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -212,6 +228,7 @@ def forward(
     layer_range: tuple[int, int] | None = None,
     hidden_in: jax.Array | None = None,
     compute_logits: bool = True,
+    model_axis: str | None = None,
 ) -> ForwardOutput:
     """Runs the decoder on T new tokens per row.
 
@@ -229,6 +246,9 @@ def forward(
         layer_range: (start, end) to run only layers [start, end); default all.
         hidden_in: [B, T, d] input residual stream when start > 0.
         compute_logits: whether to apply the final norm and LM head (only when end == num_layers).
+        model_axis: inside shard_map, the mesh axis the heads, f and the vocabulary are split over; the
+            weights and cache are then this device's slices and the logits its vocabulary slice [B, T, V_local].
+            Call it through `jaxspec.sharding.forward_on_mesh`.
 
     Returns:
         ForwardOutput with logits [B, T, V], hidden [n, B, T, d], last_hidden [B, T, d] and the cache.
@@ -240,7 +260,7 @@ def forward(
         if not start <= i < end:
             raise ValueError(f"hidden layer {i} is outside the layer range [{start}, {end}).")
     if start == 0:
-        x = embed_tokens(weights, tokens)
+        x = embed_tokens(weights, tokens, model_axis)
     else:
         if hidden_in is None:
             raise ValueError("hidden_in is required when the layer range starts after layer 0.")
@@ -258,7 +278,7 @@ def forward(
         layer_cache = (None, None)
     keep_hidden = bool(hidden_layers)
     x, new_k, new_v, all_hidden = run_layers(cfg, layers, x, positions, *layer_cache, cache_lengths, mask,
-                                             keep_hidden=keep_hidden)
+                                             keep_hidden=keep_hidden, model_axis=model_axis)
     hidden = None
     if keep_hidden:
         hidden = all_hidden[jnp.array([i - start for i in hidden_layers])]  # [n, B, T, d]

@@ -42,33 +42,114 @@ class SamplingConfig:
 GREEDY = SamplingConfig()
 
 
-def process_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+# ---------------------------------------------------------------------------------------------- vocabulary shards
+# Inside `shard_map` the vocabulary may be split over a mesh axis (`vocab_axis`): each device holds logits for a
+# contiguous slice [offset, offset + V_local). These helpers reduce over the whole vocabulary with collectives of a
+# few numbers per row instead of gathering the logits; with vocab_axis None they are the plain reductions.
+
+
+def vocab_offset(local_size: int, vocab_axis: str | None) -> jax.Array | int:
+    """Index of this device's first vocabulary entry (0 on one device)."""
+    return 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * local_size
+
+
+def vocab_sum(x: jax.Array, vocab_axis: str | None) -> jax.Array:
+    """Sums per-shard partial results over the vocabulary axis."""
+    return x if vocab_axis is None else jax.lax.psum(x, vocab_axis)
+
+
+def vocab_max(x: jax.Array, vocab_axis: str | None) -> jax.Array:
+    return x if vocab_axis is None else jax.lax.pmax(x, vocab_axis)
+
+
+def vocab_argmax(logits: jax.Array, vocab_axis: str | None = None) -> jax.Array:
+    """logits: [..., V_local] -> int32[...] global index of the largest logit (the first one on ties, as argmax)."""
+    local = jnp.argmax(logits, axis=-1).astype(jnp.int32) + vocab_offset(logits.shape[-1], vocab_axis)
+    if vocab_axis is None:
+        return local
+    best = jnp.max(logits, axis=-1)
+    top = jax.lax.pmax(best, vocab_axis)
+    return jax.lax.pmin(jnp.where(best == top, local, jnp.iinfo(jnp.int32).max), vocab_axis)
+
+
+def vocab_pick(x: jax.Array, index: jax.Array, vocab_axis: str | None = None) -> jax.Array:
+    """x: [V_local] -> x[index] for a global vocabulary index (scalar), from whichever device holds it."""
+    if vocab_axis is None:
+        return x[index]
+    local = index - vocab_offset(x.shape[-1], vocab_axis)
+    inside = (local >= 0) & (local < x.shape[-1])
+    return jax.lax.psum(jnp.where(inside, x[jnp.clip(local, 0, x.shape[-1] - 1)], 0), vocab_axis)
+
+
+def vocab_one_hot(index: jax.Array, local_size: int, vocab_axis: str | None = None, dtype=jnp.float32) -> jax.Array:
+    """This device's slice [..., V_local] of the one-hot vector of a global index [...]."""
+    return jax.nn.one_hot(index - vocab_offset(local_size, vocab_axis), local_size, dtype=dtype)
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (-inf lowest); equal floats give equal keys (-0.0 == +0.0)."""
+    bits = jax.lax.bitcast_convert_type(x + 0.0, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _top_p_cutoff(logits: jax.Array, top_p: float, vocab_axis: str | None) -> jax.Array:
+    """The smallest key c such that the tokens with keys > c hold less than top_p of the mass: the kept set
+    {key >= c} is the smallest prefix (in descending order) whose mass reaches top_p, ties kept together.
+
+    logits: [..., V_local] (after temperature and top-k); returns uint32 keys [..., 1]. A bisection over the
+    32-bit keys: 32 steps of one masked sum each (psum'd over the vocabulary shards), no sort and no gather.
+    """
+    keys = _sortable(logits)  # [..., V_local]
+    top = vocab_max(jnp.max(logits, axis=-1, keepdims=True), vocab_axis)
+    weights = jnp.exp(logits - top)  # unnormalised p, [..., V_local]
+    total = vocab_sum(jnp.sum(weights, axis=-1, keepdims=True), vocab_axis)
+
+    def mass_above(cut):  # [..., 1] fraction of the mass on keys > cut
+        return vocab_sum(jnp.sum(jnp.where(keys > cut, weights, 0.0), axis=-1, keepdims=True), vocab_axis) / total
+
+    hi = vocab_max(jnp.max(keys, axis=-1, keepdims=True), vocab_axis)  # [..., 1]
+    lo = hi * 0  # zeros varying over the same mesh axes as hi (a shard_map loop carry must keep its type)
+
+    def step(_, bounds):
+        lo, hi = bounds  # the answer lies in [lo, hi]; mass_above(hi) < top_p always (nothing is above the max)
+        mid = lo + (hi - lo) // 2
+        below = mass_above(mid) < top_p
+        return jnp.where(below, lo, mid + 1), jnp.where(below, mid, hi)
+
+    lo, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))  # 32 halvings of the 2^32 keys
+    return hi
+
+
+def process_logits(logits: jax.Array, sampling: SamplingConfig, vocab_axis: str | None = None) -> jax.Array:
     """logits: float[..., V] -> float32 log-probabilities [..., V] of p (-inf outside the kept set).
 
-    For greedy sampling the result is a point mass on the argmax (log 1 there, -inf elsewhere).
+    For greedy sampling the result is a point mass on the argmax (log 1 there, -inf elsewhere). Inside
+    `shard_map` with the vocabulary split over `vocab_axis`, logits and result are this device's slice.
     """
     logits = logits.astype(jnp.float32)
+    local_size = logits.shape[-1]
     if sampling.greedy:
-        top = jnp.argmax(logits, axis=-1)
-        return jnp.where(jax.nn.one_hot(top, logits.shape[-1], dtype=jnp.bool_), 0.0, -jnp.inf)
+        top = vocab_argmax(logits, vocab_axis)
+        return jnp.where(vocab_one_hot(top, local_size, vocab_axis, jnp.bool_), 0.0, -jnp.inf)
     logits = logits / sampling.temperature
-    if sampling.top_k and sampling.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]  # [..., 1]
+    vocab_size = local_size * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
+    if sampling.top_k and sampling.top_k < vocab_size:
+        local_top = jax.lax.top_k(logits, min(sampling.top_k, local_size))[0]  # [..., k]
+        if vocab_axis is not None:  # every shard's k best, [..., shards * k]: the global k best are among them
+            local_top = jax.lax.all_gather(local_top, vocab_axis, axis=-1, tiled=True)
+        kth = jax.lax.top_k(local_top, sampling.top_k)[0][..., -1:]  # [..., 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]  # descending
-        sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p: a token is kept if the mass before it is < top_p
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        kept = mass_before < sampling.top_p
-        threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
-    return jax.nn.log_softmax(logits, axis=-1)
+        cutoff = _top_p_cutoff(logits, sampling.top_p, vocab_axis)  # [..., 1]
+        logits = jnp.where(_sortable(logits) < cutoff, -jnp.inf, logits)
+    top = vocab_max(jnp.max(logits, axis=-1, keepdims=True), vocab_axis)
+    log_total = jnp.log(vocab_sum(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True), vocab_axis))
+    return logits - top - log_total
 
 
-def target_probs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """logits: [..., V] -> float32 probabilities [..., V] of p."""
-    return jnp.exp(process_logits(logits, sampling))
+def target_probs(logits: jax.Array, sampling: SamplingConfig, vocab_axis: str | None = None) -> jax.Array:
+    """logits: [..., V] -> float32 probabilities [..., V] of p (this device's vocabulary slice inside shard_map)."""
+    return jnp.exp(process_logits(logits, sampling, vocab_axis))
 
 
 def sample_token(rng: jax.Array, logits: jax.Array, sampling: SamplingConfig) -> jax.Array:

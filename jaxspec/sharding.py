@@ -16,11 +16,12 @@ from collections.abc import Mapping, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import LayerWeights, Weights
+from jaxspec.model import ForwardOutput, LayerWeights, Weights, forward
 
 # Mesh axis names.
 DATA = "data"
@@ -103,6 +104,30 @@ def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None
     return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
 
 
+def parse_mesh(text: str) -> tuple[int, int]:
+    """"data=4,model=2" -> (4, 2); an axis left out has size 1 ("model=8" is (1, 8)).
+
+    Raises:
+        UserError: for an unknown axis name, a repeated one, or a size that is not a positive integer.
+    """
+    sizes = {DATA: 1, MODEL: 1}
+    seen = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in sizes or name in seen:
+            raise UserError(f"--mesh {text!r}: {'repeated' if name in seen else 'unknown'} axis {name!r}; write "
+                            "the axes as data=D,model=M (data splits the batch rows, model the heads, feed-forward "
+                            "width and vocabulary).")
+        if not value.strip().isdigit() or int(value) < 1:
+            raise UserError(f"--mesh {text!r}: the size of {name} must be a positive integer, got {value!r}.")
+        seen.add(name)
+        sizes[name] = int(value)
+    if not seen:
+        raise UserError(f"--mesh {text!r} names no axis; write data=D,model=M.")
+    return sizes[DATA], sizes[MODEL]
+
+
 def logical_spec(axes: Sequence[str]) -> PartitionSpec:
     """The PartitionSpec of an array whose dimensions have the given logical names."""
     try:
@@ -129,37 +154,49 @@ def replicated(mesh: Mesh) -> NamedSharding:
 # ---------------------------------------------------------------------------------------------- pytrees
 
 
-def _field_sharding(mesh: Mesh, owner: str, name: str, value, axes: Mapping[str, tuple[str, ...]]):
-    """NamedSharding for one dataclass field from its logical axes; None stays None. Checks the rank."""
+def _field_spec(owner: str, name: str, value, axes: Mapping[str, tuple[str, ...]]):
+    """PartitionSpec for one dataclass field from its logical axes; None stays None. Checks the rank."""
     if value is None:
         return None
     names = axes[name]
     if len(value.shape) != len(names):
         raise ValueError(f"{owner}.{name} has shape {tuple(value.shape)}, but its logical axes are {names}.")
-    return logical_sharding(mesh, names)
+    return logical_spec(names)
 
 
-def weight_shardings(weights: Weights, mesh: Mesh) -> Weights:
-    """A `Weights` pytree of NamedShardings mirroring `weights` (fields that are None stay None).
+def weight_specs(weights: Weights) -> Weights:
+    """A `Weights` pytree of PartitionSpecs mirroring `weights` (fields that are None stay None).
 
     `weights` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`); only ranks are read.
-    The result can be passed as `in_shardings` to `jax.jit` or to `jax.device_put`.
     """
     layers = LayerWeights(
         **{
-            f.name: _field_sharding(mesh, "LayerWeights", f.name, getattr(weights.layers, f.name), LAYER_WEIGHT_AXES)
+            f.name: _field_spec("LayerWeights", f.name, getattr(weights.layers, f.name), LAYER_WEIGHT_AXES)
             for f in dataclasses.fields(LayerWeights)
         }
     )
-    top = {name: _field_sharding(mesh, "Weights", name, getattr(weights, name), WEIGHT_AXES) for name in WEIGHT_AXES}
+    top = {name: _field_spec("Weights", name, getattr(weights, name), WEIGHT_AXES) for name in WEIGHT_AXES}
     return Weights(layers=layers, **top)
 
 
+def cache_specs(cache: KVCache) -> KVCache:
+    """A `KVCache` pytree of PartitionSpecs: k, v [L, B, Hkv, S, D] by (-, data, model, -, -); lengths by data."""
+    return KVCache(**{name: _field_spec("KVCache", name, getattr(cache, name), CACHE_AXES) for name in CACHE_AXES})
+
+
+def _named(mesh: Mesh, specs):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def weight_shardings(weights: Weights, mesh: Mesh) -> Weights:
+    """A `Weights` pytree of NamedShardings (for `jax.jit`'s in_shardings or `jax.device_put`)."""
+    return _named(mesh, weight_specs(weights))
+
+
 def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
-    """A `KVCache` pytree of NamedShardings: k, v [L, B, Hkv, S, D] by (-, data, model, -, -); lengths by data."""
-    return KVCache(
-        **{name: _field_sharding(mesh, "KVCache", name, getattr(cache, name), CACHE_AXES) for name in CACHE_AXES}
-    )
+    """A `KVCache` pytree of NamedShardings."""
+    return _named(mesh, cache_specs(cache))
 
 
 def shard_weights(weights: Weights, mesh: Mesh) -> Weights:
@@ -175,12 +212,12 @@ def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def check_divisible(cfg: ModelConfig, batch_size: int, mesh: Mesh | jax.sharding.AbstractMesh) -> None:
+def check_divisible(cfg: ModelConfig, batch_size: int | None, mesh: Mesh | jax.sharding.AbstractMesh) -> None:
     """Checks that the mesh splits the model and the batch evenly, before any work is done.
 
     Args:
         cfg: the model's config.
-        batch_size: rows in a batch (B).
+        batch_size: rows in a batch (B); None checks the model only.
         mesh: a (data, model) mesh, concrete or abstract.
 
     Raises:
@@ -204,7 +241,7 @@ def check_divisible(cfg: ModelConfig, batch_size: int, mesh: Mesh | jax.sharding
             f"the mesh's model axis of size {model} does not divide {', '.join(bad)}; use a model axis size "
             f"that divides all of num_heads, num_kv_heads, intermediate_size and vocab_size ({choices})"
         )
-    if batch_size % data:
+    if batch_size is not None and batch_size % data:
         problems.append(
             f"the batch of {batch_size} rows does not split over the mesh's data axis of size {data}; use a "
             f"batch that is a multiple of {data} (pad it with dummy rows) or a data axis size that divides {batch_size}"
@@ -212,3 +249,91 @@ def check_divisible(cfg: ModelConfig, batch_size: int, mesh: Mesh | jax.sharding
     if problems:
         message = "; and ".join(problems)
         raise UserError(message[0].upper() + message[1:] + ".")
+
+
+# ---------------------------------------------------------------------------------------------- the sharded forward
+
+
+def forward_on_mesh(mesh: Mesh | None, weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                    cache: KVCache | None = None, mask: jax.Array | None = None, *,
+                    hidden_layers: tuple[int, ...] = (), compute_logits: bool = True) -> ForwardOutput:
+    """`jaxspec.model.forward` on a (data, model) mesh: tensor-parallel under shard_map (None: plain forward).
+
+    Each device runs its rows (data) with its slice of the heads, feed-forward width and vocabulary (model):
+    two psums per layer and one for the embedding lookup. Shapes as `forward`'s, globally: tokens, positions
+    int32[B, T]; mask bool[B, T, T] (built per row, so it travels with the row); the logits [B, T, V] come back
+    split over the vocabulary (P(data, -, model)) and are never gathered here; hidden states and the cache keep
+    their layouts (hidden replicated over model, the cache split by rows and key/value heads).
+    """
+    if mesh is None:
+        return forward(weights, cfg, tokens, positions, cache, mask, hidden_layers=hidden_layers,
+                       compute_logits=compute_logits)
+    rows = P(DATA, None)
+    in_specs = (weight_specs(weights), rows, rows, None if cache is None else cache_specs(cache),
+                None if mask is None else P(DATA, None, None))
+    out_specs = ForwardOutput(
+        logits=P(DATA, None, MODEL) if compute_logits else None,
+        hidden=P(None, DATA, None, None) if hidden_layers else None,
+        last_hidden=P(DATA, None, None),
+        cache=None if cache is None else cache_specs(cache),
+    )
+
+    def local(weights, tokens, positions, cache, mask):
+        return forward(weights, cfg, tokens, positions, cache, mask, hidden_layers=hidden_layers,
+                       compute_logits=compute_logits, model_axis=MODEL)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
+        weights, tokens, positions, cache, mask)
+
+
+# ---------------------------------------------------------------------------------------------- placing inputs
+
+
+def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, lengths, seed: int):
+    """Checks the mesh against the batch and model, then places a generation's inputs on it.
+
+    tokens: int32[B, P] and lengths: int32[B] (numpy, the same on every host); returns (weights split over the
+    model axis, tokens and lengths split by rows over the data axis, a replicated PRNG key). Weights already
+    placed this way are not copied again. With mesh None: the arrays as they are and the key.
+
+    Raises:
+        UserError: before any work, if the data axis does not divide B or the model axis a model dimension.
+    """
+    import numpy as np
+
+    rng = jax.random.key(seed)
+    if mesh is None:
+        return weights, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), rng
+    check_divisible(cfg, len(lengths), mesh)
+    weights = jax.device_put(weights, weight_shardings(weights, mesh))
+
+    def rows(array):  # every host passes the full batch; each device takes its rows (works across hosts)
+        array = np.asarray(array)
+        return jax.make_array_from_callback(array.shape, batch_sharding(mesh, array.ndim), lambda index: array[index])
+
+    return weights, rows(tokens), rows(lengths), jax.device_put(rng, replicated(mesh))
+
+
+def replicate_on_mesh(mesh: Mesh | None, tree):
+    """Puts a full copy of every array of `tree` (a drafter's parameters) on each device of `mesh`; arrays that
+    are already on the mesh keep their placement (a drafter sharded on purpose stays sharded)."""
+    if mesh is None:
+        return tree
+
+    def place(x):
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated(mesh))
+
+    return jax.tree.map(place, tree)
+
+
+def to_host(x: jax.Array):
+    """A numpy copy of a (possibly multi-host) global array, on every host."""
+    import numpy as np
+
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

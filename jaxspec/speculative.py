@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.sharding import Mesh
 
 from jaxspec import metrics
 from jaxspec.cache import commit_positions, init_cache
@@ -23,8 +23,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
 from jaxspec.model import Weights
-from jaxspec.sampling import GREEDY, SamplingConfig, sample_token, target_probs
-from jaxspec.verification import accept, verify_forward
+from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
+from jaxspec.sharding import place_inputs, replicate_on_mesh, to_host
+from jaxspec.verification import verify_and_accept, verify_forward
 
 
 def _write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -32,7 +33,8 @@ def _write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.
     return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(buffer, block, offsets)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "sampling", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "sampling", "eos_ids",
+                                             "mesh"))
 def speculative_generate_tokens(
     weights: Weights,
     cfg: ModelConfig,
@@ -46,12 +48,16 @@ def speculative_generate_tokens(
     cache_size: int,
     sampling: SamplingConfig = GREEDY,
     eos_ids: tuple[int, ...] = (),
+    mesh: Mesh | None = None,
 ):
     """Jitted speculative generation for a batch of right-padded prompts.
 
     Args:
         tokens: int32[B, P]; prompt_lengths: int32[B]; rng: PRNG key.
         cache_size: slots per row; must hold P + max_new_tokens + T + 1.
+        mesh: a (data, model) mesh. The target's prefill and verification forwards and the acceptance run
+            under shard_map (tensor-parallel, rows split over data); the drafter runs as it is, its arrays
+            placed by jit's partitioner. No drafter has mesh code of its own.
     Returns:
         (new_tokens int32[B, max_new_tokens] with PAD after the end, num_new int32[B], rounds int32[B],
          accepted int32[B, max_new_tokens]: drafted tokens accepted in each of the row's rounds, -1 after them).
@@ -62,7 +68,7 @@ def speculative_generate_tokens(
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
 
     cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
-    logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache,
+    logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache, mesh,
                                          hidden_layers=drafter.target_layers)
     first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)  # [B]
     history = jnp.zeros((b, cache_size), jnp.int32).at[:, : tokens.shape[1]].set(tokens)
@@ -88,10 +94,10 @@ def speculative_generate_tokens(
         with jax.named_scope("draft"):
             tree, state, cache = drafter.propose(drafter_params, state, inputs, cfg, sampling, draft_key)
         with jax.named_scope("verify"):
-            verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers)
-            probs = target_probs(verification.logits, sampling)  # [B, T+1, V]
-            acc = accept(tree, probs, jax.random.uniform(accept_key, (b, num_nodes)),
-                         jax.random.uniform(bonus_key, (b,)))
+            verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers, mesh)
+            acc = verify_and_accept(tree, verification.logits, sampling,  # logits [B, T+1, V]
+                                    jax.random.uniform(accept_key, (b, num_nodes)), jax.random.uniform(bonus_key, (b,)),
+                                    mesh)
         with jax.named_scope("commit"):
             num_new = acc.num_accepted + 1  # [B]
             is_eos = jnp.isin(acc.tokens, eos) & (jnp.arange(width) < num_new[:, None])  # [B, T+1]
@@ -149,18 +155,20 @@ def speculative_generate(
     seed: int = 0,
     eos_ids: Sequence[int] | None = None,
     max_cache_length: int | None = None,
+    mesh: Mesh | None = None,
 ) -> SpeculativeResult:
     """Speculative generation for token-id prompts of any lengths: the same tokens as `generate` at T=0, the same
-    distribution at T>0."""
+    distribution at T>0. mesh: a (data, model) mesh to run on (the batch must split over its data axis)."""
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_nodes + 1)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    weights, tokens, lengths, rng = place_inputs(mesh, cfg, weights, batch.tokens, batch.lengths, seed)
+    drafter_params = replicate_on_mesh(mesh, drafter_params)
     start = time.perf_counter()
     out, counts, rounds, accepted = speculative_generate_tokens(
-        weights, cfg, drafter, drafter_params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-        jax.random.key(seed), max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling,
-        eos_ids=eos,
+        weights, cfg, drafter, drafter_params, tokens, lengths, rng, max_new_tokens=max_new_tokens,
+        cache_size=batch.cache_size, sampling=sampling, eos_ids=eos, mesh=mesh,
     )
-    out, counts, rounds, accepted = (np.asarray(x) for x in (out, counts, rounds, accepted))
+    out, counts, rounds, accepted = (to_host(x) for x in (out, counts, rounds, accepted))
     seconds = time.perf_counter() - start
     return SpeculativeResult(
         token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))],

@@ -18,13 +18,18 @@ uniforms exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.model import ForwardOutput, Weights, forward
+from jaxspec.model import ForwardOutput, Weights
+from jaxspec.sampling import SamplingConfig, target_probs, vocab_offset, vocab_one_hot, vocab_pick, vocab_sum
+from jaxspec.sharding import DATA, MODEL, forward_on_mesh
 from jaxspec.tree import DraftTree, ancestor_mask, tree_positions
 
 
@@ -47,73 +52,125 @@ class Acceptance:
 
 def verify_forward(
     weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree,
-    hidden_layers: tuple[int, ...] = (),
+    hidden_layers: tuple[int, ...] = (), mesh: Mesh | None = None,
 ) -> ForwardOutput:
     """Runs the target on [root, nodes...] under the tree's ancestor mask at positions length + depth.
 
     root: int32[B], placed at position cache.lengths[b]. Returns logits [B, T+1, V]; the keys and values of all
-    T + 1 tokens are written at [lengths, lengths + T + 1) and nothing is committed.
+    T + 1 tokens are written at [lengths, lengths + T + 1) and nothing is committed. On a (data, model) mesh
+    the forward is tensor-parallel under shard_map, each row's tree mask built on the device that holds the row.
     """
     tokens = jnp.concatenate([root[:, None], tree.tokens], axis=1)  # [B, T+1]
     positions = tree_positions(tree.parents, cache.lengths)  # [B, T+1]
-    return forward(weights, cfg, tokens, positions, cache, ancestor_mask(tree.parents), hidden_layers=hidden_layers)
+    return forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, ancestor_mask(tree.parents),
+                           hidden_layers=hidden_layers)
 
 
-def acceptance_probability(residual: jax.Array, q: jax.Array, token: jax.Array) -> jax.Array:
-    """min(1, r(x) / q(x)). residual, q: [V]; token: scalar."""
-    qx = q[token]
-    return jnp.where(qx > 0, jnp.minimum(1.0, residual[token] / jnp.where(qx > 0, qx, 1.0)), 0.0)
+def acceptance_probability(residual: jax.Array, q: jax.Array, token: jax.Array,
+                           vocab_axis: str | None = None) -> jax.Array:
+    """min(1, r(x) / q(x)). residual, q: [V] (this device's slice with a vocab_axis); token: scalar."""
+    qx, rx = vocab_pick(q, token, vocab_axis), vocab_pick(residual, token, vocab_axis)
+    return jnp.where(qx > 0, jnp.minimum(1.0, rx / jnp.where(qx > 0, qx, 1.0)), 0.0)
 
 
-def residual_after_rejection(residual: jax.Array, q: jax.Array) -> jax.Array:
+def residual_after_rejection(residual: jax.Array, q: jax.Array, vocab_axis: str | None = None) -> jax.Array:
     """norm(max(0, r - q)). If that is all zero (r == q, when rejection cannot happen) r is kept."""
     left = jnp.maximum(residual - q, 0.0)
-    total = jnp.sum(left)
+    total = vocab_sum(jnp.sum(left), vocab_axis)
     return jnp.where(total > 0, left / jnp.where(total > 0, total, 1.0), residual)
 
 
-def sample_from(probs: jax.Array, uniform: jax.Array) -> jax.Array:
-    """Inverse-CDF draw from probs [V] (unnormalised is fine) with a uniform in [0, 1); never a zero-mass token."""
-    cdf = jnp.cumsum(probs)
-    above = cdf > uniform * cdf[-1]
-    last_nonzero = probs.shape[0] - 1 - jnp.argmax((probs > 0)[::-1])
-    return jnp.where(jnp.any(above), jnp.argmax(above), last_nonzero).astype(jnp.int32)
+def sample_from(probs: jax.Array, uniform: jax.Array, vocab_axis: str | None = None) -> jax.Array:
+    """Inverse-CDF draw from probs [V] (unnormalised is fine) with a uniform in [0, 1); never a zero-mass token.
+
+    With a vocab_axis, probs is this device's slice: the CDF is each slice's cumulative sum plus the mass of the
+    slices before it (one all-gather of a number per device), and the first index above the draw is a min over
+    devices.
+    """
+    local_size = probs.shape[0]
+    offset = vocab_offset(local_size, vocab_axis)
+    cdf = jnp.cumsum(probs)  # [V_local]
+    total = cdf[-1]
+    if vocab_axis is not None:
+        slice_mass = jax.lax.all_gather(cdf[-1], vocab_axis)  # [devices]
+        cdf = cdf + jnp.sum(jnp.where(jnp.arange(slice_mass.shape[0]) < jax.lax.axis_index(vocab_axis),
+                                      slice_mass, 0.0))
+        total = jnp.sum(slice_mass)
+    above = cdf > uniform * total
+    never = jnp.iinfo(jnp.int32).max
+    first_above = jnp.where(jnp.any(above), jnp.argmax(above) + offset, never)
+    last_nonzero = jnp.where(jnp.any(probs > 0), local_size - 1 - jnp.argmax((probs > 0)[::-1]) + offset, -1)
+    if vocab_axis is not None:
+        first_above = jax.lax.pmin(first_above, vocab_axis)
+        last_nonzero = jax.lax.pmax(last_nonzero, vocab_axis)
+    return jnp.where(first_above < never, first_above, last_nonzero).astype(jnp.int32)
 
 
-def _accept_row(tokens, parents, valid, draft_probs, target_probs, uniforms, bonus_uniform):
-    """One row. tokens/parents/valid: [T]; draft_probs: [T, V] or None; target_probs: [T+1, V]; uniforms: [T]."""
-    num_nodes, vocab = tokens.shape[0], target_probs.shape[-1]
+def _accept_row(tokens, parents, valid, draft_probs, target_probs, uniforms, bonus_uniform, vocab_axis=None):
+    """One row. tokens/parents/valid: [T]; draft_probs: [T, V] or None; target_probs: [T+1, V]; uniforms: [T].
+
+    With a vocab_axis (inside shard_map) the [.., V] arrays are this device's vocabulary slice; every decision
+    is then taken from psum'd numbers, so all devices of the axis agree on it.
+    """
+    num_nodes, local_vocab = tokens.shape[0], target_probs.shape[-1]
 
     def visit(j, state):
         current, residual, path, count = state
         x = tokens[j]
-        q = draft_probs[j] if draft_probs is not None else jax.nn.one_hot(x, vocab, dtype=residual.dtype)
+        q = draft_probs[j] if draft_probs is not None else vocab_one_hot(x, local_vocab, vocab_axis, residual.dtype)
         is_child = valid[j] & (parents[j] + 1 == current)
-        accepted = is_child & (uniforms[j] < acceptance_probability(residual, q, x))
+        accepted = is_child & (uniforms[j] < acceptance_probability(residual, q, x, vocab_axis))
         rejected = is_child & ~accepted
         residual = jnp.where(accepted, target_probs[j + 1],
-                             jnp.where(rejected, residual_after_rejection(residual, q), residual))
+                             jnp.where(rejected, residual_after_rejection(residual, q, vocab_axis), residual))
         path = jnp.where(accepted, path.at[count + 1].set(j + 1), path)
         return (jnp.where(accepted, j + 1, current), residual, path, count + accepted.astype(jnp.int32))
 
     init = (jnp.int32(0), target_probs[0], jnp.zeros(num_nodes + 1, jnp.int32), jnp.int32(0))
     _, residual, path, count = jax.lax.fori_loop(0, num_nodes, visit, init)
-    bonus = sample_from(residual, bonus_uniform)
+    bonus = sample_from(residual, bonus_uniform, vocab_axis)
     node_tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), tokens])  # by verification index
     new_tokens = jnp.where(jnp.arange(num_nodes + 1) < count, node_tokens[jnp.roll(path, -1)], 0)
     new_tokens = new_tokens.at[count].set(bonus)
     return path, count, new_tokens, bonus
 
 
-def accept(tree: DraftTree, target_probs: jax.Array, uniforms: jax.Array, bonus_uniforms: jax.Array) -> Acceptance:
+def accept(tree: DraftTree, target_probs: jax.Array, uniforms: jax.Array, bonus_uniforms: jax.Array,
+           vocab_axis: str | None = None) -> Acceptance:
     """Applies the acceptance rule to every row.
 
     Args:
         tree: the drafted nodes (T per row).
         target_probs: float32[B, T+1, V], p at the root and at every node (after temperature / top-k / top-p).
         uniforms: float32[B, T] in [0, 1), one per node; bonus_uniforms: float32[B].
+        vocab_axis: inside shard_map, the mesh axis the vocabulary is split over (then target_probs and
+            tree.draft_probs hold this device's slice [.., V/devices]).
     """
-    path, count, new_tokens, bonus = jax.vmap(_accept_row)(
+    path, count, new_tokens, bonus = jax.vmap(functools.partial(_accept_row, vocab_axis=vocab_axis))(
         tree.tokens, tree.parents, tree.valid, tree.draft_probs, target_probs, uniforms, bonus_uniforms
     )
     return Acceptance(path=path, num_accepted=count, tokens=new_tokens, bonus=bonus)
+
+
+def verify_and_accept(tree: DraftTree, logits: jax.Array, sampling: SamplingConfig, uniforms: jax.Array,
+                      bonus_uniforms: jax.Array, mesh: Mesh | None = None) -> Acceptance:
+    """p from the verification logits [B, T+1, V] under `sampling`, then `accept`.
+
+    On a (data, model) mesh this runs under shard_map: each device takes its rows and its vocabulary slice
+    of the logits (as the tensor-parallel LM head left them); no device gathers the full logits.
+    """
+    if mesh is None:
+        return accept(tree, target_probs(logits, sampling), uniforms, bonus_uniforms)
+    rows, rows_vocab = P(DATA, None), P(DATA, None, MODEL)
+    tree_specs = DraftTree(tokens=rows, parents=rows, valid=rows,
+                           draft_probs=None if tree.draft_probs is None else rows_vocab)
+
+    def local(tree, logits, uniforms, bonus_uniforms):
+        probs = target_probs(logits, sampling, vocab_axis=MODEL)  # [B_local, T+1, V_local]
+        return accept(tree, probs, uniforms, bonus_uniforms, vocab_axis=MODEL)
+
+    out_specs = Acceptance(path=rows, num_accepted=P(DATA), tokens=rows, bonus=P(DATA))
+    # check_vma=False: the per-row loop carries values that start as constants and become data-varying; every
+    # value that leaves is identical across the model axis by construction (decisions come from psum'd numbers).
+    return jax.shard_map(local, mesh=mesh, in_specs=(tree_specs, rows_vocab, rows, P(DATA)), out_specs=out_specs,
+                         check_vma=False)(tree, logits, uniforms, bonus_uniforms)

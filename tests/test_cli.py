@@ -205,3 +205,28 @@ def test_pipeline_method_refusals(capsys):
                        "needs 2 devices")
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "eagle3", "--num-stages", "5"],
                        "pipeline methods")
+
+
+def test_generate_on_a_mesh_equals_one_device(smollm2, capsys):
+    """`--mesh data=1,model=1` decodes through the sharded path (shard_map on a one-device mesh): the same tokens as
+    without --mesh, in --json and in text mode (which then goes through the method rather than streaming)."""
+    argv = ["generate", "--prompt", "What is the capital of France?", "--prompt", "Name a prime number.",
+            "--json", "--max-new-tokens", "12", "--batch-size", "2"]
+    code, plain, err = _run(capsys, *argv)
+    assert code == 0, err
+    code, meshed, err = _run(capsys, *argv, "--mesh", "data=1,model=1")
+    assert code == 0, err
+    plain, meshed = ([json.loads(line) for line in out.strip().splitlines()] for out in (plain, meshed))
+    assert len(meshed) == 2 and [r["token_ids"] for r in meshed] == [r["token_ids"] for r in plain]
+    code, out, err = _run(capsys, "generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
+                          "--mesh", "model=1")
+    assert code == 0, err
+    assert out.strip() == "The capital of France is Paris."
+
+
+def test_bad_mesh(capsys):
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--mesh", "pipe=2"], "--mesh", "unknown axis 'pipe'",
+                       "data=D,model=M")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--mesh", "data=0"], "positive integer")
+    _assert_user_error(capsys, ["generate", "--prompt", "hi", "--mesh", "data=2,model=3"], "needs 6 devices")
+    _assert_user_error(capsys, ["bench", "--mesh", "pipe=2", "--no-peers"], "unknown axis 'pipe'")

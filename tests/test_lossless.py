@@ -267,14 +267,14 @@ def test_parallel_tree_round_reproduces_the_target_distribution_exactly(mode, sa
 def test_a_broken_rule_is_caught(monkeypatch):
     """Resampling from p after a rejection (instead of from norm(max(0, p - q))) biases the output."""
     name, parents, kinds = TREES[0]
-    monkeypatch.setattr(verification, "residual_after_rejection", lambda residual, q: residual)
+    monkeypatch.setattr(verification, "residual_after_rejection", lambda residual, q, vocab_axis=None: residual)
     assert _check(parents, kinds, SamplingConfig(temperature=1.0)) > 1e-4  # the correct rule is within 2e-6
 
 
 def test_ignoring_deterministic_rejections_is_caught(monkeypatch):
     """For top-k children, keeping a rejected token in the residual biases the output too."""
     name, parents, kinds = TREES[2]
-    monkeypatch.setattr(verification, "residual_after_rejection", lambda residual, q: residual)
+    monkeypatch.setattr(verification, "residual_after_rejection", lambda residual, q, vocab_axis=None: residual)
     assert _check(parents, kinds, SamplingConfig(temperature=1.0)) > 1e-4  # the correct rule is within 2e-6
 
 

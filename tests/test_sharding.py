@@ -241,10 +241,11 @@ def _child() -> dict:
     tokens = rng.integers(0, 256, (batch, width)).astype(np.int32)
     next_tokens = rng.integers(0, 256, (batch,)).astype(np.int32)
 
-    def prefill_then_decode(weights, cache, tokens, prompt_lengths, next_tokens, *, cfg):
-        # tokens [B, P], prompt_lengths [B], next_tokens [B] -> (last prompt logits [B, V], logits [B, V], cache)
-        last, _, cache = prefill(weights, cfg, tokens, prompt_lengths, cache)
-        logits, cache = decode_step(weights, cfg, next_tokens, cache, jnp.ones(tokens.shape[:1], jnp.bool_))
+    def prefill_then_decode(weights, cache, tokens, prompt_lengths, next_tokens, *, cfg, mesh=None):
+        # tokens [B, P], prompt_lengths [B], next_tokens [B] -> (last prompt logits [B, V], logits [B, V], cache);
+        # with a mesh both forwards are the tensor-parallel shard_map of jaxspec.sharding.forward_on_mesh
+        last, _, cache = prefill(weights, cfg, tokens, prompt_lengths, cache, mesh)
+        logits, cache = decode_step(weights, cfg, next_tokens, cache, jnp.ones(tokens.shape[:1], jnp.bool_), mesh)
         return last, logits, cache
 
     def diff(a, b):  # max |a - b| relative to the reference's scale (tied llama logits reach ~30)
@@ -270,7 +271,7 @@ def _child() -> dict:
             w_sh, c_sh = sharding.weight_shardings(weights, mesh), sharding.cache_shardings(cache, mesh)
             rows1, rows2 = sharding.batch_sharding(mesh, 1), sharding.batch_sharding(mesh, 2)
             step = jax.jit(
-                functools.partial(prefill_then_decode, cfg=cfg),
+                functools.partial(prefill_then_decode, cfg=cfg, mesh=mesh),
                 in_shardings=(w_sh, c_sh, rows2, rows1, rows1),
                 out_shardings=(
                     sharding.logical_sharding(mesh, ("batch", "vocab")),
