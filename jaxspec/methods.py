@@ -118,9 +118,9 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
         return _build_method(name, target, options)
     from jaxspec.sharding import check_divisible, make_mesh, parse_mesh, replicate_on_mesh, shard_weights
 
-    if name in PIPELINE_METHODS:
-        raise UserError(f"{name} lays the target's layers out as pipeline stages over --stage-devices; it does not "
-                        "run on a --mesh of data and model axes. Drop --mesh, or use another method.")
+    if name in PIPELINE_METHODS and options.stage_devices != 1:
+        raise UserError(f"{name}: give either --stage-devices (the stages on devices) or --mesh (rows and tensor "
+                        "parallelism, the stages emulated on each device group), not both.")
     mesh = make_mesh(*parse_mesh(options.mesh))
     check_divisible(target.config, None, mesh)  # heads, kv heads, f and vocabulary; the batch when it is known
     method = _build_method(name, target, options)
@@ -189,7 +189,8 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
 
 def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
     """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
-    from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, replicate_on, stage_mesh
+    from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, stage_mesh
+    from jaxspec.sharding import replicate_on_mesh
 
     for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-nodes", options.tree_nodes),
                         ("--budget", options.budget), ("--exit-layer", options.exit_layer),
@@ -223,7 +224,7 @@ def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> 
             raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
         mesh = stage_mesh(drafter.num_stages, options.stage_devices)
         # the weights and the drafter replicated on the mesh once, not at every generation
-        weights, params = replicate_on(mesh, (target.weights, params))
+        weights, params = replicate_on_mesh(mesh, (target.weights, params))
         target = dataclasses.replace(target, weights=weights)
     return Method(name=name, drafter=drafter, params=params, target=target, mesh=mesh)
 

@@ -40,6 +40,7 @@ from jaxspec.errors import UserError
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
 from jaxspec.model import LayerWeights, Weights, embed_tokens, lm_head, run_layers
 from jaxspec.sampling import GREEDY, SamplingConfig, process_logits, sample_token, target_probs
+from jaxspec.sharding import DATA, place_inputs, replicate_on_mesh, to_host
 from jaxspec.tree import DraftTree
 from jaxspec.verification import accept
 
@@ -193,19 +194,6 @@ def stage_mesh(num_stages: int, num_devices: int | None = None, devices: Sequenc
         raise UserError(f"{num_stages} stages cannot be split evenly over {num_devices} devices; use a device count "
                         f"that divides {num_stages}.")
     return Mesh(np.array(devices[:num_devices]), (STAGE,))
-
-
-def replicate_on(mesh: Mesh, tree: Any) -> Any:
-    """Every array of `tree` replicated on the mesh's devices (a no-op for arrays already there)."""
-    devices = set(mesh.devices.flat)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def place(x):
-        if isinstance(x, jax.Array) and x.sharding.device_set == devices:
-            return x
-        return jax.device_put(x, replicated)
-
-    return jax.tree.map(place, tree)
 
 
 def place_on_stages(tree: Any, mesh: Mesh) -> Any:
@@ -507,23 +495,30 @@ def pipeline_generate(
     mesh: Mesh | None = None,
 ) -> PipelineResult:
     """Pipeline decoding for token-id prompts: the same tokens as `generate` at T=0, the same distribution at T>0.
-    mesh: None (stages emulated on one device) or a mesh from `stage_mesh` (stages on devices)."""
+
+    mesh: None (stages emulated on one device); a mesh from `stage_mesh` (stages on devices); or a (data, model)
+    mesh from `jaxspec.sharding.make_mesh`: the rows split over data and the weights over model, with the stages
+    emulated on each group of devices and jit's partitioner placing the collectives (no shard_map of its own).
+    """
     check_num_stages(cfg, drafter.num_stages)
-    if mesh is not None and drafter.num_stages % mesh.shape[STAGE]:
+    stages_on_mesh = mesh is not None and STAGE in mesh.axis_names
+    if stages_on_mesh and drafter.num_stages % mesh.shape[STAGE]:
         raise UserError(f"{drafter.num_stages} stages cannot be split evenly over the mesh's {mesh.shape[STAGE]} "
                         "stage devices.")
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_stages + 1)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    if mesh is not None:  # arrays committed to one device cannot enter a program laid out on the mesh
-        weights, drafter_params = replicate_on(mesh, (weights, drafter_params))
+    data_mesh = mesh if mesh is not None and DATA in mesh.axis_names else None
+    weights, tokens, lengths, rng = place_inputs(data_mesh, cfg, weights, batch.tokens, batch.lengths, seed)
+    # arrays committed to one device cannot enter a program laid out on the mesh
+    weights, drafter_params = replicate_on_mesh(mesh if stages_on_mesh else None, (weights, drafter_params))
+    drafter_params = replicate_on_mesh(data_mesh, drafter_params)
     start = time.perf_counter()
     out, counts, stats, _ = pipeline_generate_tokens(
-        weights, cfg, drafter, drafter_params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-        jax.random.key(seed), max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling,
-        eos_ids=eos, mesh=mesh,
+        weights, cfg, drafter, drafter_params, tokens, lengths, rng, max_new_tokens=max_new_tokens,
+        cache_size=batch.cache_size, sampling=sampling, eos_ids=eos, mesh=mesh if stages_on_mesh else None,
     )
-    out, counts = np.asarray(out), np.asarray(counts)
-    stats = {k: int(np.asarray(v).sum()) for k, v in stats.items()}
+    out, counts = to_host(out), to_host(counts)
+    stats = {k: int(to_host(v).sum()) for k, v in stats.items()}
     seconds = time.perf_counter() - start
     return PipelineResult(
         token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))], seconds=seconds,

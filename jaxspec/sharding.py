@@ -316,12 +316,13 @@ def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, 
 
 def replicate_on_mesh(mesh: Mesh | None, tree):
     """Puts a full copy of every array of `tree` (a drafter's parameters) on each device of `mesh`; arrays that
-    are already on the mesh keep their placement (a drafter sharded on purpose stays sharded)."""
+    are already on the mesh's devices keep their placement (a drafter sharded on purpose stays sharded)."""
     if mesh is None:
         return tree
+    devices = set(mesh.devices.flat)
 
     def place(x):
-        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh:
+        if isinstance(x, jax.Array) and x.sharding.device_set == devices:
             return x
         return jax.device_put(x, replicated(mesh))
 

@@ -49,6 +49,8 @@ OTHER_METHODS = (
     ("dflash", "dflash", {"drafter": "untrained"}),
     ("ddtree", "ddtree", {"drafter": "untrained", "budget": 8}),
     ("jetspec", "jetspec", {"drafter": "untrained", "budget": 8}),
+    ("ppsd", "ppsd", {}),  # pipelines: their own loop, partitioned by jit over rows and heads (2 stages of 1 layer)
+    ("spd", "spd", {"drafter": "untrained"}),
 )
 
 
@@ -65,11 +67,11 @@ def test_parse_mesh():
             parse_mesh(bad)
 
 
-def test_pipeline_methods_refuse_a_data_model_mesh(tiny_llama3):
+def test_pipeline_methods_take_one_kind_of_mesh(tiny_llama3):
     from jaxspec.methods import MethodOptions, build_method
 
-    with pytest.raises(UserError, match="--stage-devices"):
-        build_method("ppsd", tiny_llama3[1], MethodOptions(mesh="data=1"))
+    with pytest.raises(UserError, match="either --stage-devices .* or --mesh"):
+        build_method("ppsd", tiny_llama3[1], MethodOptions(mesh="data=1", stage_devices=2))
 
 
 # ---------------------------------------------------------------------------------------------- the child's results

@@ -32,7 +32,6 @@ from jaxspec.pipeline import (
     pipeline_generate,
     pipeline_generate_tokens,
     pipeline_step,
-    replicate_on,
     split_stages,
 )
 from jaxspec.sampling import SamplingConfig, target_probs
@@ -70,7 +69,7 @@ def teacher_forced_logits(cfg, weights, tokens, num_steps, n, mesh=None):
     returns the LM head's logits [K', V] of every token leaving the last stage (K' = K - n + 1)."""
     p = tokens.shape[1] - num_steps
     if mesh is not None:
-        weights = replicate_on(mesh, weights)
+        weights = replicate_on_mesh(mesh, weights)
     cache = init_cache(cfg, 1, 64)
     _, _, cache = prefill(weights, cfg, tokens[:, :p], jnp.array([p]), cache)
     layers = split_stages(weights.layers, n)
