@@ -35,6 +35,7 @@ from jaxspec.pipeline import (
     split_stages,
 )
 from jaxspec.sampling import SamplingConfig, target_probs
+from jaxspec.sharding import replicate_on_mesh
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
