@@ -324,7 +324,7 @@ def _greedy_warning(row: dict) -> str:
 
 def _baseline_like(target: LoadedModel, methods: Sequence[Method]) -> Method:
     """Autoregressive decoding on the same (data, model) mesh as the given methods (one device when they have none)."""
-    on_mesh = next((m for m in methods if m.mesh is not None and not m.is_pipeline), None)
+    on_mesh = next((m for m in methods if m.mesh is not None and "data" in m.mesh.axis_names), None)
     if on_mesh is None:
         return build_method(BASELINE, target)
     return Method(name=BASELINE, drafter=None, params=None, target=on_mesh.target, mesh=on_mesh.mesh)

@@ -85,9 +85,10 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="run on a device mesh, e.g. data=4,model=2: data splits the batch rows, model the attention "
                         "heads, feed-forward width and vocabulary (tensor parallel); default one device")
     p.add_argument("--distributed", action="store_true",
-                   help="multi-host (TPU pods, several GPU hosts): call jax.distributed.initialize() first, which "
-                        "reads the coordinator and process ids from the environment; every host runs the same "
-                        "command and --mesh spans the devices of all hosts")
+                   help="multi-host (TPU pods, several GPU hosts): call jax.distributed.initialize() first; it finds "
+                        "the hosts on TPU pods, SLURM and Open MPI, elsewhere set JAX_COORDINATOR_ADDRESS, "
+                        "JAX_NUM_PROCESSES and JAX_PROCESS_ID; every host runs the same command and --mesh spans the "
+                        "devices of all hosts")
     p.add_argument("--ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="early-exit: number of target layers that draft (default: a quarter of them)")
@@ -122,11 +123,16 @@ def initialize_distributed(args) -> None:
     if jax.distributed.is_initialized():
         return
     try:
-        jax.distributed.initialize()  # coordinator address, process count and id from the environment (TPU, SLURM)
-    except (ValueError, RuntimeError) as e:
+        # TPU pods, SLURM and Open MPI describe the cluster themselves; elsewhere JAX reads JAX_COORDINATOR_ADDRESS
+        # and we pass the process count and id from JAX_NUM_PROCESSES and JAX_PROCESS_ID
+        counts = {key: int(os.environ[name]) for name, key in (("JAX_NUM_PROCESSES", "num_processes"),
+                                                              ("JAX_PROCESS_ID", "process_id")) if name in os.environ}
+        jax.distributed.initialize(**counts)
+    except (ValueError, TypeError, RuntimeError) as e:
         raise UserError(f"--distributed: jax.distributed.initialize() failed ({' '.join(str(e).split())}); on a "
-                        "TPU pod or under SLURM it finds the other hosts itself, elsewhere set "
-                        "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.") from None
+                        "TPU pod, under SLURM or Open MPI it finds the other hosts itself; elsewhere set "
+                        "JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on "
+                        "every host.") from None
 
 
 def _mesh_rows(method) -> int:
