@@ -125,7 +125,22 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
     check_divisible(target.config, None, mesh)  # heads, kv heads, f and vocabulary; the batch when it is known
     method = _build_method(name, target, options)
     target = dataclasses.replace(method.target, weights=shard_weights(method.target.weights, mesh))
-    return dataclasses.replace(method, target=target, params=replicate_on_mesh(mesh, method.params), mesh=mesh)
+    params = method.params
+    draft_cfg = getattr(method.drafter, "draft_cfg", None)
+    if draft_cfg is not None and _splits(draft_cfg, mesh):  # a draft model is a whole LM: split it like the target
+        params = shard_weights(params, mesh)
+    return dataclasses.replace(method, target=target, params=replicate_on_mesh(mesh, params), mesh=mesh)
+
+
+def _splits(cfg, mesh) -> bool:
+    """Whether the mesh's model axis divides this model's heads, feed-forward width and vocabulary."""
+    from jaxspec.sharding import check_divisible
+
+    try:
+        check_divisible(cfg, None, mesh)
+    except UserError:
+        return False
+    return True
 
 
 def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:

@@ -189,7 +189,10 @@ def _child() -> dict:
             drafter = DraftModelDrafter(depth=fields["num_draft_tokens"], tree_width=fields.get("tree_width", 1),
                                         draft_cfg=cfg)
             device_mesh = None if mesh is None else sharding.make_mesh(*sharding.parse_mesh(mesh))
-            r = speculative_generate(target.weights, cfg, drafter, draft_weights, prompts, mesh=device_mesh, **kwargs)
+            params = draft_weights  # the chain's draft model replicated; the tree's split over the model axis
+            if device_mesh is not None and name == "tree":
+                params = sharding.shard_weights(draft_weights, device_mesh)
+            r = speculative_generate(target.weights, cfg, drafter, params, prompts, mesh=device_mesh, **kwargs)
         else:  # through the method registry, as the CLI does
             r = build_method(method, target, MethodOptions(mesh=mesh, **fields)).generate(prompts, **kwargs)
         return {"tokens": r.token_ids, "accepted": getattr(r, "accepted", None)}
