@@ -148,16 +148,15 @@ def format_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     """tokens/s against batch size: a colour per method, a line style and marker per mesh (solid: one device)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     labels = list(dict.fromkeys(r["label"] for r in rows))
     meshes = list(dict.fromkeys(r["mesh"] for r in rows))
     styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for i, label in enumerate(labels):
         for j, mesh in enumerate(meshes):
             points = sorted((r["batch_size"], r["tokens_per_second"]) for r in rows
@@ -174,7 +173,6 @@ def plot(rows: list[dict], path: str) -> None:
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,12 +157,10 @@ def format_table(rows, set_names, temperatures) -> str:
 
 
 def plot(rows, temperatures, path) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    fig = Figure(figsize=(6 * len(temperatures), 4))
+    axes = fig.subplots(1, len(temperatures), squeeze=False)
     for ax, t in zip(axes[0], temperatures):
         families = sorted({r["label"].split(" n=")[0] for r in rows if r["num_stages"] is not None})
         for family in families:
@@ -181,7 +179,6 @@ def plot(rows, temperatures, path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

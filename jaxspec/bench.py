@@ -595,17 +595,16 @@ def format_table(bench: dict) -> str:
 
 def _plot_accepted_lengths(bench: dict, path: str) -> bool:
     """Bars of the fraction of rounds that accepted j drafted tokens, per method, one panel per temperature."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     rows = [r for r in bench["results"] if r["accepted_length_histogram"] is not None]
     if not rows:
         return False
     temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    fig = Figure(figsize=(6 * len(temperatures), 4))
+    axes = fig.subplots(1, len(temperatures), squeeze=False)
     for ax, temperature in zip(axes[0], temperatures):
         counts: dict[str, np.ndarray] = {}  # label -> int[K + 1], summed over sets and batch sizes
         for r in rows:
@@ -623,16 +622,13 @@ def _plot_accepted_lengths(bench: dict, path: str) -> bool:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return True
 
 
 def _plot_speedup_vs_k(bench: dict, path: str) -> bool:
     """Speedup over autoregressive against K, one line per method x prompt set x batch size, one panel per T."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     rows = [r for r in bench["results"] if r["num_draft_tokens"] is not None and not r.get("peer")]
     def family(r):  # one line per method and tree width
@@ -646,7 +642,8 @@ def _plot_speedup_vs_k(bench: dict, path: str) -> bool:
         return False
     temperatures = list(dict.fromkeys(r["temperature"] for r in rows))
     multi_batch = len({r["batch_size"] for r in rows}) > 1
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    fig = Figure(figsize=(6 * len(temperatures), 4))
+    axes = fig.subplots(1, len(temperatures), squeeze=False)
     for ax, temperature in zip(axes[0], temperatures):
         lines: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
@@ -664,7 +661,6 @@ def _plot_speedup_vs_k(bench: dict, path: str) -> bool:
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return True
 
 

@@ -317,10 +317,7 @@ def evaluate_tau(trainable, method_cfg, params, target, prompts: list[list[int]]
 
 def plot_loss_curve(metrics_path: str, out_png: str) -> None:
     """Loss (and eval tau when present) against step, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     steps, losses, eval_steps, taus = [], [], [], []
     with open(metrics_path) as f:
@@ -332,7 +329,8 @@ def plot_loss_curve(metrics_path: str, out_png: str) -> None:
             if "eval_tau" in record:
                 eval_steps.append(record["step"])
                 taus.append(record["eval_tau"])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     ax.plot(steps, losses, label="train loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -342,7 +340,6 @@ def plot_loss_curve(metrics_path: str, out_png: str) -> None:
         twin.set_ylabel("tau")
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------- built-in methods
