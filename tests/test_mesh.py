@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from fake_devices import run_child
 
 from jaxspec.errors import UserError
 from jaxspec.sharding import parse_mesh
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_FAKE_DEVICES = 8
 MESHES = ("8x1", "4x2", "2x4", "1x8")  # data x model
 # ragged prompts: 8 rows of different lengths (one of a single token)
@@ -79,15 +77,7 @@ def test_pipeline_methods_take_one_kind_of_mesh(tiny_llama3):
 
 @pytest.fixture(scope="module")
 def child_results():
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], check=False, env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__, NUM_FAKE_DEVICES, timeout=1800)
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -7,15 +7,13 @@ import dataclasses
 import itertools
 import json
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fake_devices import run_child
 
 from jaxspec.cache import init_cache
 from jaxspec.config import ModelConfig
@@ -36,8 +34,6 @@ from jaxspec.pipeline import (
 )
 from jaxspec.sampling import SamplingConfig, target_probs
 from jaxspec.sharding import replicate_on_mesh
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def small_model(num_layers=4, vocab=6, scale=0.3, seed=0):
@@ -328,15 +324,7 @@ MESH_CASES = [(2, 2, "ppsd"), (3, 3, "spd"), (5, 5, "ppsd"), (5, 5, "spd"), (3, 
 
 @pytest.fixture(scope="module")
 def child_results(smollm2):
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], check=False, env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__, NUM_FAKE_DEVICES, timeout=1800)
 
 
 def test_greedy_on_stage_devices_equals_autoregressive(child_results):

@@ -13,15 +13,13 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fake_devices import run_child
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from jaxspec import sharding
@@ -30,7 +28,6 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.model import LayerWeights, Weights
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_FAKE_DEVICES = 8
 MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))  # (data, model)
 # (architecture, kv heads, meshes): qwen2 (biases, untied head) on every mesh; llama (GQA, tied head) where its
@@ -181,22 +178,7 @@ def test_check_divisible_batch_and_heads_together():
 
 @pytest.fixture(scope="module")
 def child_results():
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={NUM_FAKE_DEVICES}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child"],
-        check=False,
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"child failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(__file__, NUM_FAKE_DEVICES, timeout=300)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
