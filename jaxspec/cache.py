@@ -44,39 +44,54 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
     )
 
 
+def _row_slots(lengths: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Index arrays for (row, slot) pairs: rows int32[B, 1] and slots lengths[b] + offsets int32[B, T]."""
+    rows = jnp.arange(lengths.shape[0], dtype=jnp.int32)[:, None]  # [B, 1]
+    return rows, lengths[:, None] + offsets  # [B, 1], [B, T]
+
+
 def write_new_entries(cache: KVCache, new_k: jax.Array, new_v: jax.Array, layer_start: int = 0) -> KVCache:
     """Writes T new entries per row at [lengths[b], lengths[b] + T) for a contiguous range of layers.
+
+    One scatter per buffer, indexed by (row, slot) and keeping the buffer's layout, so that inside a jitted loop
+    XLA updates the cache in place (a per-row vmap of dynamic_update_slice made it transpose and copy the whole
+    cache every step).
 
     Args:
         new_k, new_v: [Lr, B, Hkv, T, D] for layers [layer_start, layer_start + Lr).
     Returns the cache with the entries written and `lengths` unchanged.
     """
+    num_layers, _, _, t, _ = new_k.shape
+    rows, slots = _row_slots(cache.lengths, jnp.arange(t, dtype=jnp.int32)[None, :])
+    layers = slice(layer_start, layer_start + num_layers)
 
-    def write_rows(buffer, new):  # buffer [L, B, Hkv, S, D], new [Lr, B, Hkv, T, D]
-        def write_one_row(row_buffer, row_new, start):  # [L, Hkv, S, D], [Lr, Hkv, T, D]
-            new = row_new.astype(row_buffer.dtype)
-            return jax.lax.dynamic_update_slice(row_buffer, new, (layer_start, 0, start, 0))
+    def write(buffer, new):  # buffer [L, B, Hkv, S, D], new [Lr, B, Hkv, T, D]
+        updates = new.transpose(1, 3, 0, 2, 4).astype(buffer.dtype)  # [B, T, Lr, Hkv, D]: advanced indices first
+        return buffer.at[layers, rows, :, slots].set(updates, mode="drop", unique_indices=True)
 
-        return jax.vmap(write_one_row, in_axes=(1, 1, 0), out_axes=1)(buffer, new, cache.lengths)
-
-    return dataclasses.replace(cache, k=write_rows(cache.k, new_k), v=write_rows(cache.v, new_v))
+    return dataclasses.replace(cache, k=write(cache.k, new_k), v=write(cache.v, new_v))
 
 
 def commit_positions(cache: KVCache, source_offsets: jax.Array, num_accepted: jax.Array) -> KVCache:
     """Moves accepted entries into place and advances each row's length.
 
     After a verification forward wrote T entries at [len, len + T), entry `source_offsets[b, i]` (an index
-    in [0, T)) becomes committed slot len + i for i < num_accepted[b].
+    in [0, T)) becomes committed slot len + i for i < num_accepted[b]. One gather and one scatter per buffer,
+    in the buffer's layout (in place inside a jitted loop).
 
     Args:
         source_offsets: int32[B, A], the accepted path's node indices in order (A <= T; padded arbitrarily).
         num_accepted: int32[B], how many of them to keep.
     """
-    def gather_row(row_buffer, offsets, start):  # [L, Hkv, S, D], [A], scalar
-        src = jnp.take(row_buffer, start + offsets, axis=2)  # [L, Hkv, A, D]
-        return jax.lax.dynamic_update_slice(row_buffer, src, (0, 0, start, 0))
+    a = source_offsets.shape[1]
+    rows, sources = _row_slots(cache.lengths, source_offsets.astype(jnp.int32))
+    _, targets = _row_slots(cache.lengths, jnp.arange(a, dtype=jnp.int32)[None, :])
+    # Slots past num_accepted are left alone: their targets point out of range and are dropped.
+    keep = jnp.arange(a)[None, :] < num_accepted[:, None]  # [B, A]
+    targets = jnp.where(keep, targets, cache.max_length)
 
-    def move(buffer):
-        return jax.vmap(gather_row, in_axes=(1, 0, 0), out_axes=1)(buffer, source_offsets, cache.lengths)
+    def move(buffer):  # [L, B, Hkv, S, D]
+        moved = buffer[:, rows, :, sources]  # [B, A, L, Hkv, D]
+        return buffer.at[:, rows, :, targets].set(moved, mode="drop")
 
     return KVCache(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + num_accepted.astype(jnp.int32))

@@ -6,6 +6,10 @@ batches, greedy or sampled. The answers are written to a folder as shards plus a
 
     out_dir/manifest.json       format, target fingerprint, tokenizer, generation settings, counts, finished shards
     out_dir/shard-00000.npz     tokens int32[N, W], prompt_lengths int32[N], lengths int32[N], source_index int64[N]
+    out_dir/shard-00000.features.npy   (with --feature-layers) uint16[n, sum(lengths), d]: bfloat16 bits of the
+                                residual stream after each feature layer at every token of the shard's samples,
+                                back to back, as the target computed it while generating (a sample's last token
+                                is never fed to the target: its row is zeros)
 
 Every file is written under a temporary name in the same folder, fsynced and renamed into place (`os.replace`
 is atomic), and a shard only counts once the manifest lists it with its sha256. A killed run therefore leaves at
@@ -42,6 +46,7 @@ FORMAT = "jaxspec-regenerated"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_PATTERN = "shard-{:05d}.npz"
+FEATURES_SUFFIX = ".features.npy"  # beside each shard when features are saved: shard-00000.features.npy
 TMP_SUFFIX = ".tmp"
 LOCK = ".lock"
 
@@ -256,20 +261,26 @@ def _batch_seed(seed: int, shard: int, batch: int) -> int:
 
 
 def _generate_shard(target, prompt_ids: list[list[int]], shard: int, *, max_new_tokens: int, batch_size: int,
-                    sampling: SamplingConfig, seed: int, on_batch: Callable[[int, int], None]) -> dict[str, np.ndarray]:
-    """Answers one shard's prompts in batches of `batch_size`; returns the shard's arrays (without source_index)."""
+                    sampling: SamplingConfig, seed: int, on_batch: Callable[[int, int], None],
+                    feature_layers: Sequence[int] = ()) -> dict[str, np.ndarray]:
+    """Answers one shard's prompts in batches of `batch_size`; returns the shard's arrays (without source_index),
+    with `features` uint16[n, sum(lengths), d] (bfloat16 bits) when `feature_layers` are given."""
     from jaxspec.generate import generate
 
     responses: list[list[int]] = []
+    features: list[np.ndarray] = []  # per sample, [n, length, d] bfloat16
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
         rows = prompt_ids[start: start + batch_size]
         # a short last batch is filled with copies of its first prompt so the batch size, and with it the
         # compilation, stays the same for the whole run; the copies are dropped
         padded = rows + [rows[0]] * (batch_size - len(rows))
         result = generate(target.weights, target.config, padded, max_new_tokens=max_new_tokens, sampling=sampling,
-                          seed=_batch_seed(seed, shard, b))
+                          seed=_batch_seed(seed, shard, b), hidden_layers=tuple(feature_layers))
         new = result.token_ids[: len(rows)]
         responses.extend(new)
+        if feature_layers:
+            for fed in result.features[: len(rows)]:  # [n, length - 1, d]: the last token was never fed
+                features.append(np.concatenate([fed, np.zeros_like(fed[:, :1])], axis=1))
         on_batch(len(rows), sum(len(r) for r in new))
     n = len(prompt_ids)
     prompt_lengths = np.array([len(p) for p in prompt_ids], np.int32)  # [N]
@@ -277,7 +288,10 @@ def _generate_shard(target, prompt_ids: list[list[int]], shard: int, *, max_new_
     tokens = np.zeros((n, int(lengths.max())), np.int32)  # [N, W], right-padded with 0
     for row, (p, r) in enumerate(zip(prompt_ids, responses)):
         tokens[row, : lengths[row]] = list(p) + list(r)
-    return {"tokens": tokens, "prompt_lengths": prompt_lengths, "lengths": lengths}
+    arrays = {"tokens": tokens, "prompt_lengths": prompt_lengths, "lengths": lengths}
+    if feature_layers:
+        arrays["features"] = np.concatenate(features, axis=1).view(np.uint16)  # [n, sum(lengths), d]
+    return arrays
 
 
 def regenerate_ids(
@@ -295,6 +309,7 @@ def regenerate_ids(
     prompt_source: str = "token ids",
     tokenizer: dict | None = None,
     on_shard: Callable[[int, dict], None] | None = None,
+    feature_layers: Sequence[int] = (),
 ) -> dict:
     """Answers already-tokenized prompts with the target and writes shards plus a manifest to `out_dir`.
 
@@ -318,6 +333,9 @@ def regenerate_ids(
         tokenizer: `tokenizer_info(...)` of the tokenizer that made the ids, recorded and checked on resume.
         on_shard: Called as `on_shard(shard_index, manifest)` after each shard is committed (tests use it to
             simulate a killed run).
+        feature_layers: Also save the residual stream after these target layers at every token, as computed
+            while generating (a `.features.npy` beside each shard), so that training never runs the target over
+            these tokens again. Include the last layer (num_layers - 1) for the target's own logits.
 
     Returns:
         The final manifest (also in `out_dir/manifest.json`).
@@ -335,6 +353,10 @@ def regenerate_ids(
             f"max_prompt_tokens + max_new_tokens = {max_prompt_tokens + max_new_tokens} is more than the target's "
             f"context length {limit}; lower one of them."
         )
+    feature_layers = sorted({int(i) for i in feature_layers})
+    bad = [i for i in feature_layers if not 0 <= i < target.config.num_layers]
+    if bad:
+        raise UserError(f"feature layer {bad[0]} is not a layer of the target (0 to {target.config.num_layers - 1}).")
     prompt_ids = [list(map(int, p)) for p in prompt_ids]
     kept = [i for i, p in enumerate(prompt_ids) if 0 < len(p) <= max_prompt_tokens]
     if not kept:
@@ -354,6 +376,7 @@ def regenerate_ids(
             "seed": seed,
             "eos_token_ids": list(target.config.eos_token_ids),
             "dtype": str(np.dtype(target.weights.embed.dtype)),
+            **({"feature_layers": feature_layers, "feature_dtype": "bfloat16"} if feature_layers else {}),
         },
         "prompts": {"source": prompt_source, "count": len(prompt_ids), "sha256": _hash_ids(prompt_ids)},
         "shard_size": shard_size,
@@ -377,7 +400,10 @@ def regenerate_ids(
         finished: dict[str, dict] = {}
         for name, entry in sorted(manifest.get("shards", {}).items()):
             path = os.path.join(out_dir, name)
-            if os.path.isfile(path) and file_sha256(path) == entry["sha256"]:
+            feature_file = path + FEATURES_SUFFIX
+            features_ok = "features_sha256" not in entry or (
+                os.path.isfile(feature_file) and file_sha256(feature_file) == entry["features_sha256"])
+            if os.path.isfile(path) and file_sha256(path) == entry["sha256"] and features_ok:
                 finished[name] = entry
             else:
                 warnings.warn(f"Shard '{path}' is missing or corrupt (sha256 differs); regenerating it.", stacklevel=2)
@@ -401,16 +427,25 @@ def regenerate_ids(
             for s in todo:
                 source = np.array(kept[s * shard_size: (s + 1) * shard_size], np.int64)  # [N]
                 arrays = _generate_shard(target, [prompt_ids[i] for i in source], s, max_new_tokens=max_new_tokens,
-                                         batch_size=batch_size, sampling=sampling, seed=seed, on_batch=on_batch)
+                                         batch_size=batch_size, sampling=sampling, seed=seed, on_batch=on_batch,
+                                         feature_layers=feature_layers)
                 arrays["source_index"] = source
+                features = arrays.pop("features", None)
                 name = SHARD_PATTERN.format(s)
                 path = os.path.join(out_dir, name)
+                entry = {}
+                if features is not None:  # written first: the shard only counts once the manifest lists both
+                    _atomic_write(path + FEATURES_SUFFIX, lambda f, a=features: np.save(f, a))
+                    entry = {"features_sha256": file_sha256(path + FEATURES_SUFFIX),
+                             "features_bytes": os.path.getsize(path + FEATURES_SUFFIX)}
                 _atomic_write(path, lambda f, arrays=arrays: np.savez(f, **arrays))
                 finished[name] = {
                     "samples": int(len(source)),
                     "prompt_tokens": int(arrays["prompt_lengths"].sum()),
                     "response_tokens": int((arrays["lengths"] - arrays["prompt_lengths"]).sum()),
                     "sha256": file_sha256(path),
+                    "bytes": os.path.getsize(path),
+                    **entry,
                 }
                 manifest["shards"] = dict(sorted(finished.items()))
                 manifest["complete"] = len(finished) == num_shards
@@ -436,6 +471,7 @@ def _counts(finished: dict[str, dict], num_prompts: int, num_kept: int, num_shar
         "samples": sum(e["samples"] for e in finished.values()),
         "prompt_tokens": sum(e["prompt_tokens"] for e in finished.values()),
         "response_tokens": sum(e["response_tokens"] for e in finished.values()),
+        "disk_bytes": sum(e.get("bytes", 0) + e.get("features_bytes", 0) for e in finished.values()),
     }
 
 
@@ -484,6 +520,7 @@ def regenerate(
     progress: bool = True,
     prompt_source: str = "custom",
     on_shard: Callable[[int, dict], None] | None = None,
+    feature_layers: Sequence[int] = (),
 ) -> dict:
     """Answers text prompts with the target through its chat template; writes shards and a manifest.
 
@@ -507,7 +544,8 @@ def regenerate(
     return regenerate_ids(target, prompt_ids, out_dir, max_prompt_tokens=max_prompt_tokens,
                           max_new_tokens=max_new_tokens, batch_size=batch_size, shard_size=shard_size,
                           sampling=sampling, seed=seed, progress=progress, prompt_source=prompt_source,
-                          tokenizer=tokenizer_info(target.tokenizer), on_shard=on_shard)
+                          tokenizer=tokenizer_info(target.tokenizer), on_shard=on_shard,
+                          feature_layers=feature_layers)
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -564,6 +602,12 @@ class RegeneratedDataset:
                 lengths.append(lens)
                 source.append(z["source_index"])
         self.manifest = manifest
+        self.feature_layers = tuple(manifest.get("generation", {}).get("feature_layers", ()))
+        # per sample: which shard's feature file and where its columns start there
+        self._feature_files = [os.path.join(self.path, name + FEATURES_SUFFIX) for name in sorted(manifest["shards"])]
+        self._feature_maps: dict[int, np.ndarray] = {}
+        self._feature_shard = np.concatenate([np.full(len(x), i, np.int32) for i, x in enumerate(lengths)])  # [N]
+        self._feature_start = np.concatenate([np.cumsum(x, dtype=np.int64) - x for x in lengths])  # [N]
         self.lengths = np.concatenate(lengths).astype(np.int32)  # [N]
         self.prompt_lengths = np.concatenate(prompt_lengths).astype(np.int32)  # [N]
         self.source_index = np.concatenate(source).astype(np.int64)  # [N]
@@ -586,6 +630,31 @@ class RegeneratedDataset:
                 f"The data in '{self.path}' was generated by another target (fingerprint {self.fingerprint}, "
                 f"this target {fp}, source '{self.manifest.get('target_source')}'); regenerate it with this target."
             )
+
+    def has_features(self, layers: Sequence[int]) -> bool:
+        """Whether the regeneration saved the features of all these layers."""
+        return bool(self.feature_layers) and all(i in self.feature_layers for i in layers)
+
+    def features(self, indices: Sequence[int], layers: Sequence[int], seq_len: int) -> np.ndarray:
+        """float32[len(layers), B, seq_len, d]: the saved features of samples `indices`, cut and zero-padded to
+        seq_len like `batches` rows (read from the memory-mapped shard files; the target does not run)."""
+        if not self.has_features(layers):
+            raise UserError(f"'{self.path}' has no saved features for layers {list(layers)} (it has "
+                            f"{list(self.feature_layers)}); regenerate with --feature-layers covering them.")
+        rows = [self.feature_layers.index(i) for i in layers]
+        out = None
+        for b, index in enumerate(indices):
+            shard = int(self._feature_shard[index])
+            if shard not in self._feature_maps:
+                self._feature_maps[shard] = np.load(self._feature_files[shard], mmap_mode="r")  # [n, T, d] uint16
+            bits = self._feature_maps[shard]
+            if out is None:
+                out = np.zeros((len(rows), len(indices), seq_len, bits.shape[2]), np.float32)
+            start = int(self._feature_start[index])
+            length = min(int(self.lengths[index]), seq_len)
+            chunk = np.asarray(bits[rows, start: start + length]).astype(np.uint32) << 16  # bfloat16 -> float32 bits
+            out[:, b, :length] = chunk.view(np.float32)
+        return out
 
     def sample(self, index: int) -> np.ndarray:
         """int32[length]: prompt then response ids of one sample."""

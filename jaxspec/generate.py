@@ -59,13 +59,17 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
 
 
 def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVCache, advance: jax.Array,
-                mesh: Mesh | None = None):
-    """Feeds one token per row at position lengths[b]; returns (logits [B, V], cache).
+                mesh: Mesh | None = None, hidden_layers: tuple[int, ...] = ()):
+    """Feeds one token per row at position lengths[b]; returns (logits [B, V], cache), and with `hidden_layers`
+    also the residual stream after those layers at the fed token, [n, B, d]: (logits, cache, hidden).
 
     token: int32[B]; advance: bool[B], rows whose cache length moves on (finished rows stay put).
     """
-    out = forward_on_mesh(mesh, weights, cfg, token[:, None], cache.lengths[:, None], cache)
+    out = forward_on_mesh(mesh, weights, cfg, token[:, None], cache.lengths[:, None], cache,
+                          hidden_layers=hidden_layers)
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + advance.astype(jnp.int32))
+    if hidden_layers:
+        return out.logits[:, 0], cache, out.hidden[:, :, 0]
     return out.logits[:, 0], cache
 
 
@@ -75,7 +79,8 @@ def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_size", "sampling", "eos_ids", "mesh"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_size", "sampling", "eos_ids", "mesh",
+                                             "hidden_layers", "hidden_dtype"))
 def generate_tokens(
     weights: Weights,
     cfg: ModelConfig,
@@ -88,36 +93,61 @@ def generate_tokens(
     sampling: SamplingConfig = GREEDY,
     eos_ids: tuple[int, ...] = (),
     mesh: Mesh | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    hidden_layers: tuple[int, ...] = (),
+    hidden_dtype=jnp.bfloat16,
+):
     """Jitted autoregressive generation for a batch of right-padded prompts.
 
     Args:
         tokens: int32[B, P]; prompt_lengths: int32[B]; rng: a PRNG key (unused when greedy).
         mesh: run every target forward on this (data, model) mesh (inputs placed with `jaxspec.sharding`).
+        hidden_layers: also keep the residual stream after these layers at every position the target reads
+            (the prompt, then each generated token but the last), as computed while generating: the features
+            drafters train on, with no second pass of the target. Stored in `hidden_dtype`.
     Returns:
-        (new_tokens int32[B, max_new_tokens] with PAD after each row's EOS, num_new int32[B] including the EOS).
+        (new_tokens int32[B, max_new_tokens] with PAD after each row's EOS, num_new int32[B] including the EOS),
+        and with `hidden_layers` a third array, hidden [n, B, P + max_new_tokens, d]: row b's position i holds
+        the feature of its token i (prompt then response); positions past a row's last fed token are zeros.
     """
-    b = tokens.shape[0]
+    b, p = tokens.shape
     cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
-    logits, _, cache = prefill(weights, cfg, tokens, prompt_lengths, cache, mesh)
+    logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache, mesh,
+                                         hidden_layers=hidden_layers)
     first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
     out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
     done = _is_eos(first, eos_ids)
+    features = None
+    if hidden_layers:
+        in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]  # [B, P]
+        prompt_features = jnp.where(in_prompt[None, :, :, None], prefill_out.hidden, 0).astype(hidden_dtype)
+        features = jnp.zeros((len(hidden_layers), b, p + max_new_tokens, cfg.hidden_size), hidden_dtype)
+        features = features.at[:, :, :p].set(prompt_features)  # [n, B, P + N, d]
+    rows = jnp.arange(b)
 
     def cond(state):
-        step, _, _, _, done = state
+        step, _, _, _, done, _ = state
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(state):
-        step, cache, out, last, done = state
-        logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh)
+        step, cache, out, last, done, features = state
+        position = cache.lengths  # [B]: where `last` goes
+        if hidden_layers:
+            logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers)
+            # finished rows write out of range, which is dropped
+            where = jnp.where(done, features.shape[2], position)
+            features = features.at[:, rows, where].set(hidden.astype(hidden_dtype), mode="drop")
+        else:
+            logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh)
         new = sample_token(jax.random.fold_in(rng, step), logits, sampling)
         new = jnp.where(done, PAD, new)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
-        return step + 1, cache, out, jnp.maximum(new, 0), done | _is_eos(new, eos_ids)
+        return step + 1, cache, out, jnp.maximum(new, 0), done | _is_eos(new, eos_ids), features
 
-    _, _, out, _, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, out, first, done))
-    return out, jnp.sum(out != PAD, axis=1).astype(jnp.int32)
+    _, _, out, _, _, features = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, out, first, done, features))
+    counts = jnp.sum(out != PAD, axis=1).astype(jnp.int32)
+    if hidden_layers:
+        return out, counts, features
+    return out, counts
 
 
 _prefill_jit = jax.jit(prefill, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -176,6 +206,9 @@ class GenerationResult:
     token_ids: list[list[int]]
     seconds: float
     prefill_seconds: float = float("nan")
+    # with `hidden_layers`: per row, the features of every token the target read (prompt, then each new token but
+    # the last), bfloat16 [n, prompt_length + len(token_ids) - 1, d]
+    features: list[np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -197,22 +230,31 @@ def generate(
     eos_ids: Sequence[int] | None = None,
     max_cache_length: int | None = None,
     mesh: Mesh | None = None,
+    hidden_layers: Sequence[int] = (),
 ) -> GenerationResult:
     """Generates for a batch of token-id prompts of any lengths; returns the new ids of every row.
 
     mesh: a (data, model) mesh (`jaxspec.sharding.make_mesh`) to run on; the batch must split over its data axis.
+    hidden_layers: also return the residual stream after these layers at every token the target read, computed
+        while generating (`GenerationResult.features`).
     """
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
     weights, tokens, lengths, rng = place_inputs(mesh, cfg, weights, batch.tokens, batch.lengths, seed)
     start = time.perf_counter()
-    out, counts = generate_tokens(
+    results = generate_tokens(
         weights, cfg, tokens, lengths, rng, max_new_tokens=max_new_tokens, cache_size=batch.cache_size,
-        sampling=sampling, eos_ids=eos, mesh=mesh,
+        sampling=sampling, eos_ids=eos, mesh=mesh, hidden_layers=tuple(hidden_layers),
     )
-    out, counts = to_host(out), to_host(counts)
+    out, counts = to_host(results[0]), to_host(results[1])
+    features = None
+    if hidden_layers:
+        hidden = to_host(results[2])  # [n, B, P + N, d]
+        fed = batch.lengths + counts - 1  # [B]: the last new token is never fed back
+        features = [np.ascontiguousarray(hidden[:, r, : fed[r]]) for r in range(len(out))]
     seconds = time.perf_counter() - start
-    return GenerationResult(token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))], seconds=seconds)
+    return GenerationResult(token_ids=[out[r, : counts[r]].tolist() for r in range(len(out))], seconds=seconds,
+                            features=features)
 
 
 def stream_generate(

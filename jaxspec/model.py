@@ -130,7 +130,10 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
         out = jnp.einsum("bkgtu,bukh->btkgh", probs.astype(new_v.dtype), new_v)
         return out.reshape(b, t, hq, h)
     s = cache_k.shape[2]
-    scores_cache = jnp.einsum("btkgh,bksh->bkgts", q, cache_k.astype(q.dtype), preferred_element_type=jnp.float32)
+    # The cache is the left operand, contracted over its minor axis h: XLA's CPU dot runs this orientation about
+    # 3x faster than the transposed one, and attention over a long cache is most of a batched decoding step.
+    scores_cache = jnp.einsum("bksh,btkgh->bktgs", cache_k.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    scores_cache = scores_cache.transpose(0, 1, 3, 2, 4)  # [b, k, g, t, s]
     visible = jnp.arange(s)[None, :] < cache_lengths[:, None]  # [b, s]
     scores_cache = jnp.where(visible[:, None, None, None, :], scores_cache, NEG_INF)
     probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)

