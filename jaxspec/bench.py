@@ -254,7 +254,7 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
         "tree_nodes": method_nodes(method, batch_size),
         "budget_auto": method.cost_model is not None,
         # --budget auto: the throughput model behind the choice at this batch size
-        "auto_budget_table": method.auto_budget(batch_size)[1] if method.cost_model is not None else None,
+        "auto_budget_table": method.auto_table(batch_size)[2] if method.cost_model is not None else None,
         "label": _label(method, batch_size),
         "mesh": mesh_label(method.mesh),  # "4x2" (data x model), "1 device"
         "mesh_shape": None if method.mesh is None else dict(method.mesh.shape),
@@ -760,9 +760,10 @@ def build_methods(target: LoadedModel, args) -> list[Method]:
                         block = _dflash_block_size(target, drafter or None)
                     overrides["budget"] = budget if block is None else min(budget, block)
                 elif budget is not None:
-                    if budget == "auto":
-                        continue  # --budget auto is for the parallel drafters (ddtree, jetspec, dflash)
-                    overrides["tree_nodes"] = budget
+                    if budget == "auto":  # eagle2/eagle3: the tree shape chosen per batch size (also their default)
+                        overrides["budget"] = "auto"
+                    else:
+                        overrides["tree_nodes"] = budget
                 options = method_options(argparse.Namespace(**{**vars(args), **overrides}))
                 method = build_method(name, target, options)
                 if drafter:

@@ -251,9 +251,13 @@ def load_or_measure_cost_model(target, path: str | None = None, progress: bool =
         except (OSError, ValueError, TypeError) as e:  # json and UserError are ValueErrors
             print(f"jaxspec: the cost model cache '{path}' is unreadable ({e}); measuring again.", file=sys.stderr)
         else:
-            if (cached.device == device_name(target.weights.embed.dtype) and cached.model == target.fingerprint()
-                    and cached.covers(batch_sizes, token_counts) and cached.context == context):
+            same = (cached.device == device_name(target.weights.embed.dtype) and cached.model == target.fingerprint()
+                    and cached.context == context)
+            if same and cached.covers(batch_sizes, token_counts):
                 return cached
+            if same:  # measure the union, so methods that need other shapes do not keep re-measuring each other's
+                measure_kwargs = dict(measure_kwargs, batch_sizes=sorted(set(batch_sizes) | set(cached.batch_sizes)),
+                                      token_counts=sorted(token_counts | set(cached.token_counts)))
     cost = measure_cost_model(target, progress=progress, **measure_kwargs)
     cost.save(path)
     print(f"jaxspec: verification cost model cached in {path} (delete it to measure again)", file=sys.stderr)
@@ -345,4 +349,99 @@ def format_budget_table(rows: list[dict]) -> str:
         mark = "  *" if row["chosen"] else ""
         lines.append(f"{row['budget']:>7} {row['tau']:>6.2f} {row['verify_seconds'] * 1e3:>10.3f} "
                      f"{row['tokens_per_second']:>10.1f}{mark}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- EAGLE tree shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """An EAGLE-2 dynamic tree: `depth` head forwards, `top_k` children per expanded node, `num_nodes` verified.
+
+    A chain is top_k = 1, num_nodes = depth. A depth-2 tree with num_nodes = top_k + top_k**2 keeps every node
+    EAGLE-2's expansion makes, so the target's path is in it exactly when its first two tokens rank below top_k.
+    """
+
+    depth: int
+    top_k: int
+    num_nodes: int
+
+
+# Chains of 1 to 6 tokens (small rounds win where verifying many tokens is dear: CPUs) and full depth-2 trees of 2,
+# 3 and 4 children per node (wide rounds win where extra tokens are nearly free: accelerators at small batches).
+TREE_SHAPES = tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(2, k, k + k * k) for k in (2, 3, 4))
+
+
+# Token counts (nodes + 1) of the TREE_SHAPES, measured for the EAGLE cost model.
+EAGLE_TOKEN_COUNTS = tuple(sorted({1} | {s.num_nodes + 1 for s in TREE_SHAPES}))
+
+
+def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape) -> float:
+    """Expected tokens a round yields (accepted drafts + the bonus) at T=0, from the drafter's measured ranks.
+
+    ranks: int[P, D]: at P positions of text the target generated, the rank of the target's own next token at depth
+    j + 1 among the head's candidates when the head is fed the true tokens before it (teacher forcing along the
+    target's path, which is exactly what a round drafts for as long as its drafts are accepted); a large value where
+    the token is outside the draft vocabulary or the text ends. D must be at least the shape's depth.
+
+    A chain keeps depth j's draft iff ranks 1..j are all 0; a full depth-2 tree iff they are all below top_k. Other
+    shapes are not exact under this model and are refused.
+    """
+    ranks = np.asarray(ranks)
+    if ranks.ndim != 2 or ranks.shape[1] < shape.depth or len(ranks) == 0:
+        raise UserError(f"Measured draft ranks of shape {ranks.shape} do not cover depth {shape.depth}.")
+    chain = shape.top_k == 1 and shape.num_nodes == shape.depth
+    full_tree = (shape.depth == 1 and shape.num_nodes == shape.top_k) or (
+        shape.depth == 2 and shape.num_nodes == shape.top_k + shape.top_k ** 2)
+    if not (chain or full_tree):
+        raise UserError(f"{shape} is neither a chain nor a full depth-2 tree; its acceptance is not modelled.")
+    inside = ranks[:, : shape.depth] < shape.top_k  # [P, depth]
+    accepted = np.cumprod(inside, axis=1).sum(axis=1)  # [P]: drafts kept before the first miss
+    return 1.0 + float(accepted.mean())
+
+
+def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: Callable[[int, TreeShape], float],
+                shapes: Sequence[TreeShape] = TREE_SHAPES) -> tuple[TreeShape, list[dict]]:
+    """The EAGLE tree shape with the highest expected throughput at this batch size, and the table behind it.
+
+    throughput = batch * tau(shape) / (cost.verify_seconds(batch, nodes + 1) + draft_seconds(batch, shape)), with
+    tau from the drafter's measured ranks (`expected_tokens_per_round`). Each row also gives the expected speedup
+    over plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s).
+
+    Returns:
+        (chosen shape, rows): one dict per shape with "shape", "tau", "verify_seconds", "draft_seconds",
+        "tokens_per_second", "speedup" and "chosen". Ties go to the earlier shape.
+    """
+    if batch < 1:
+        raise UserError(f"The batch size must be at least 1 to choose a tree; got {batch}.")
+    if not shapes:
+        raise UserError("No candidate tree shapes were given.")
+    plain = batch / cost.verify_seconds(batch, 1)
+    rows = []
+    for shape in shapes:
+        tau = expected_tokens_per_round(ranks, shape)
+        verify = cost.verify_seconds(batch, shape.num_nodes + 1)
+        draft = float(draft_seconds(batch, shape))
+        speed = batch * tau / (verify + draft)
+        rows.append({"shape": shape, "tau": tau, "verify_seconds": verify, "draft_seconds": draft,
+                     "tokens_per_second": speed, "speedup": speed / plain, "chosen": False})
+    best = rows[0]
+    for row in rows[1:]:
+        if row["tokens_per_second"] > best["tokens_per_second"]:
+            best = row
+    best["chosen"] = True
+    return best["shape"], rows
+
+
+def format_tree_table(rows: list[dict]) -> str:
+    """A plain-text table of `choose_tree`'s rows, the chosen one marked with '*'."""
+    lines = [f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'tau':>6} {'verify ms':>10} {'draft ms':>9} {'tokens/s':>9} "
+             f"{'speedup':>8}"]
+    for row in rows:
+        s = row["shape"]
+        mark = "  *" if row["chosen"] else ""
+        lines.append(f"{s.depth:>5} {s.top_k:>5} {s.num_nodes:>5} {row['tau']:>6.2f} "
+                     f"{row['verify_seconds'] * 1e3:>10.2f} {row['draft_seconds'] * 1e3:>9.2f} "
+                     f"{row['tokens_per_second']:>9.1f} {row['speedup']:>7.2f}x{mark}")
     return "\n".join(lines)

@@ -261,11 +261,9 @@ def cmd_generate(args) -> None:
                         "--method eagle3.")
     baseline = build_method("autoregressive", model, MethodOptions(mesh=args.mesh)) if args.speedup else None
     if method.cost_model is not None:  # --budget auto: show the choice and the model behind it
-        from jaxspec.budget import format_budget_table
-
         rows = min(len(prompt_ids), args.batch_size) if args.json else 1
-        budget, table = method.auto_budget(rows)
-        print(f"[--budget auto at batch {rows}: budget {budget}]\n{format_budget_table(table)}", file=sys.stderr)
+        chosen, table, _ = method.auto_table(rows)
+        print(f"[--budget auto at batch {rows}: {chosen}]\n{table}", file=sys.stderr)
     if args.json or method.drafter is not None or method.mesh is not None:  # streaming: one device, no drafter
         for start in range(0, len(prompts), args.batch_size if args.json else 1):
             rows = prompt_ids[start: start + (args.batch_size if args.json else 1)]

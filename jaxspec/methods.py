@@ -61,6 +61,9 @@ class Method:
     params: Any
     target: LoadedModel
     cost_model: Any = None  # --budget auto: the device's verification cost model (jaxspec.budget.CostModel)
+    # eagle2/eagle3 with --budget auto (their default): the head's measured draft ranks along text the target
+    # generated, int[P, D] (jaxspec.drafters.eagle.draft_ranks), from which each tree shape's tau follows
+    tree_ranks: Any = None
     # the device mesh: a (data, model) mesh for every method given --mesh; for ppsd/spd the 'stage' mesh of
     # --stage-devices. None: one device.
     mesh: Any = None
@@ -75,7 +78,37 @@ class Method:
         """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks."""
         if self.cost_model is None or self.drafter is None:
             return self.drafter
+        if self.tree_ranks is not None:
+            shape = self.auto_tree(batch)[0]
+            return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k, num_nodes=shape.num_nodes)
         return dataclasses.replace(self.drafter, budget=self.auto_budget(batch)[0])
+
+    def auto_tree(self, batch: int):
+        """(TreeShape, table) of --budget auto for eagle2/eagle3 at this batch size: the shape with the highest
+        expected tokens/s from the device's verification cost model and the head's measured acceptance. Drafting is
+        costed as one target layer per head forward (each of the `depth` steps over top_k nodes, and the absorbing
+        of the last round's nodes + 1 pairs)."""
+        from jaxspec.budget import choose_tree
+
+        cost, layers = self.cost_model, self.target.config.num_layers
+
+        def draft_seconds(rows: int, shape) -> float:
+            steps = shape.depth * cost.verify_seconds(rows, shape.top_k)  # the head's forwards over the tree
+            absorb = cost.verify_seconds(rows, shape.num_nodes + 1)  # the head over the last round's pairs
+            return (steps + absorb) / layers
+
+        return choose_tree(cost, batch, self.tree_ranks, draft_seconds)
+
+    def auto_table(self, batch: int) -> tuple[str, str, list[dict]]:
+        """(what was chosen, the table as text, its rows) of --budget auto at this batch size."""
+        from jaxspec.budget import format_budget_table, format_tree_table
+
+        if self.tree_ranks is not None:
+            shape, rows = self.auto_tree(batch)
+            return (f"depth {shape.depth}, top_k {shape.top_k}, {shape.num_nodes} nodes", format_tree_table(rows),
+                    [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows])
+        budget, rows = self.auto_budget(batch)
+        return f"budget {budget}", format_budget_table(rows), rows
 
     def auto_budget(self, batch: int) -> tuple[int, list[dict]]:
         """(budget, table) of --budget auto at this batch size. Drafting is costed as the head's forwards (one layer
@@ -158,17 +191,35 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
         if name == "medusa" and (options.tree_width is not None or options.tree_nodes is not None):
             raise UserError("Medusa drafts the fixed tree of its drafter.choices; --tree-width and --tree-nodes do not "
                             "apply.")
-        if name not in PARALLEL_METHODS and (options.budget is not None or options.refresh_steps is not None):
-            raise UserError(f"--budget and --refresh-steps are for dflash, ddtree and jetspec, not {name}"
-                            + (" (use --tree-nodes)." if name in ("eagle2", "eagle3") else "."))
+        dynamic_tree = name in ("eagle2", "eagle3")
+        if dynamic_tree and options.budget not in (None, "auto"):
+            raise UserError(f"{name} takes --budget auto (the default) or its tree by hand with --num-draft-tokens, "
+                            "--tree-width and --tree-nodes, not a number.")
+        if name not in PARALLEL_METHODS and not dynamic_tree and (options.budget is not None
+                                                                  or options.refresh_steps is not None):
+            raise UserError(f"--budget and --refresh-steps are for dflash, ddtree, jetspec (and --budget auto for "
+                            f"eagle2, eagle3), not {name}.")
+        if dynamic_tree and options.refresh_steps is not None:
+            raise UserError(f"--refresh-steps is for jetspec, not {name}.")
+        by_hand = (options.num_draft_tokens, options.tree_width, options.tree_nodes) != (None, None, None)
+        if dynamic_tree and options.budget == "auto" and by_hand:
+            raise UserError(f"{name}: give either --budget auto or the tree by hand (--num-draft-tokens, --tree-width, "
+                            "--tree-nodes), not both.")
         drafter, params = load_learned_drafter(name, target, options.drafter, options)
-        cost_model = None
-        if options.budget == "auto":
+        cost_model = tree_ranks = None
+        auto = options.budget == "auto" or (dynamic_tree and not by_hand and options.mesh is None)
+        if auto and dynamic_tree and getattr(drafter, "choices", None) is None:
+            from jaxspec.budget import EAGLE_TOKEN_COUNTS, load_or_measure_cost_model
+
+            cost_model = load_or_measure_cost_model(target, token_counts=EAGLE_TOKEN_COUNTS)
+            tree_ranks = measured_draft_ranks(target, drafter, params)
+        elif auto:
             from jaxspec.budget import load_or_measure_cost_model
 
             # token counts up to the largest auto budget + 1 (the root)
             cost_model = load_or_measure_cost_model(target, token_counts=(1, 9, 17, 33, 65))
-        return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model)
+        return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
+                      tree_ranks=tree_ranks)
     k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
     if k < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
@@ -393,3 +444,56 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
         drafter.check_compatible(params, target.config)
         return drafter, params
     return cfg.make_drafter(), params
+
+
+# Generic chat prompts (none from the evaluation sets) whose greedy answers calibrate the acceptance of EAGLE heads.
+CALIBRATION_PROMPTS = (
+    "Explain how a hash table works and when it is a poor choice.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "A train travels 120 km in 1.5 hours, then 80 km in 1 hour. What is its average speed? Explain.",
+    "What are the main causes of inflation, and how do central banks respond?",
+    "Give step-by-step instructions for making a simple tomato sauce.",
+    "Write a JavaScript function that debounces another function.",
+    "Compare renewable and fossil energy sources in a short essay.",
+)
+CALIBRATION_TOKENS = 96
+CALIBRATION_DEPTH = 6  # the deepest tree shape measured (jaxspec.budget.TREE_SHAPES)
+
+
+def measured_draft_ranks(target: LoadedModel, drafter, params) -> Any:
+    """int[P, CALIBRATION_DEPTH]: an EAGLE head's ranks of the target's tokens along the target's own greedy answers
+    to CALIBRATION_PROMPTS (`jaxspec.drafters.eagle.draft_ranks`), cached in $JAXSPEC_CACHE_DIR per head and target."""
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    from jaxspec.budget import cost_model_path
+    from jaxspec.drafters.eagle import draft_ranks
+    from jaxspec.tokenizer import encode_prompt
+
+    digest = hashlib.sha256(target.fingerprint().encode())
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.asarray(leaf).tobytes())
+    path = os.path.join(os.path.dirname(cost_model_path(target)), f"draft-ranks-{digest.hexdigest()[:16]}.npy")
+    if os.path.isfile(path):
+        try:
+            return np.load(path)
+        except (OSError, ValueError):
+            pass
+    if target.tokenizer is None:
+        raise UserError("--budget auto for an EAGLE head measures its acceptance on the target's answers to chat "
+                        "prompts, which needs the target's tokenizer; give the tree by hand (--num-draft-tokens, "
+                        "--tree-width, --tree-nodes) instead.")
+    prompts = [encode_prompt(target.tokenizer, p) for p in CALIBRATION_PROMPTS]
+    answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS).token_ids
+    lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]
+    for row, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[row, : lengths[row]] = p + a
+    ranks = draft_ranks(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
+                        np.array([len(p) for p in prompts]), CALIBRATION_DEPTH)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.save(path, ranks)
+    return ranks

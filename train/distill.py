@@ -2,7 +2,8 @@
 
 One loop for every learned drafter. A method plugs in through a `Trainable` (its config dataclass, how to build
 the drafter and fresh parameters, which target features it needs, and its loss); the loop owns the rest: the
-target's features computed inside the jitted step (never stored for the whole data set), Optax, the data
+target's features (read from the regeneration when it saved them, else computed once into a cache or inside the
+jitted step), Optax, the data
 axis of a mesh, Orbax checkpoints with exact resume, progress, JSON Lines metrics, a loss-curve PNG, periodic
 tau on held-out prompts, and the final drafter checkpoint tied to the target's fingerprint.
 """
@@ -214,14 +215,21 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     replicated, batch_sharded = _shardings(mesh)
     cache = None
     cached_shardings = None
-    if config.data.cache_features:
+    last_layer = target.config.num_layers - 1
+    saved_features = dataset.has_features((*layers, last_layer))  # saved while regenerating: the target never runs
+    if saved_features or config.data.cache_features:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxspec.sharding import DATA
+
+        cached_shardings = (batch_sharded, NamedSharding(mesh, PartitionSpec(None, DATA)) if layers else None)
+    if config.data.cache_features and not saved_features:
         from jax.sharding import NamedSharding, PartitionSpec
 
         from jaxspec.sharding import DATA
 
         cache = cache_target_features(target, dataset, layers, config.data.seq_len,
                                       os.path.join(run.out_dir, "features"), run.batch_size, progress)
-        cached_shardings = (batch_sharded, NamedSharding(mesh, PartitionSpec(None, DATA)) if layers else None)
     step_fn = jax.jit(
         make_train_step(trainable, method_cfg, target.config, config.loss, optimizer, layers),
         in_shardings=(replicated, replicated, replicated, batch_sharded, batch_sharded, replicated, cached_shardings),
@@ -252,7 +260,11 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
         batch = next(batches)
         tokens, loss_mask = (_global_batch(batch[name], batch_sharded) for name in ("tokens", "loss_mask"))
         cached = None
-        if cache is not None:
+        if saved_features:
+            feats = dataset.features(batch["indices"], (*layers, last_layer), config.data.seq_len)  # [n+1, B, S, d]
+            cached = (_global_batch(feats[-1], batch_sharded),
+                      _global_batch(feats[:-1], cached_shardings[1]) if layers else None)
+        elif cache is not None:
             rows = np.asarray(batch["indices"])
             cached = (_global_batch(np.asarray(cache["last_hidden"][rows]), batch_sharded),
                       _global_batch(np.asarray(cache["hidden"][:, rows]), cached_shardings[1]) if layers else None)

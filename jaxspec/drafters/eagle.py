@@ -79,6 +79,7 @@ dim, f feed-forward width, v draft vocabulary, i earlier TTT steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -91,7 +92,16 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.errors import UserError
 from jaxspec.losses import decay_weights, gamma_weights, masked_mean, per_position_loss
-from jaxspec.model import NEG_INF, Weights, _attention, apply_rope, causal_mask, rms_norm, rope_inverse_frequencies
+from jaxspec.model import (
+    NEG_INF,
+    Weights,
+    _attention,
+    apply_rope,
+    causal_mask,
+    forward,
+    rms_norm,
+    rope_inverse_frequencies,
+)
 from jaxspec.tree import DraftTree, choices_parents
 
 # ---------------------------------------------------------------------------------------------- configuration
@@ -727,3 +737,62 @@ def eagle3_training_loss(params, mcfg: Eagle3Config, target_weights, target_cfg,
                        loss_mask, steps=mcfg.ttt_steps, kind=loss_cfg.kind, decay=loss_cfg.position_decay,
                        gamma=loss_cfg.gamma, feature_weight=mcfg.feature_loss_weight,
                        token_weight=mcfg.token_loss_weight, noise=mcfg.feature_noise, key=key)
+
+
+# ---------------------------------------------------------------------------------------------- acceptance profile
+
+
+NOT_DRAFTABLE = 1 << 30  # the rank of a token the head cannot draft (outside the draft vocabulary, past the text)
+
+
+def draft_ranks(params: Eagle3Params, target_weights: Weights, target_cfg: ModelConfig,
+                feature_layers: tuple[int, ...], tokens: np.ndarray, lengths: np.ndarray, response_starts: np.ndarray,
+                depth: int) -> np.ndarray:
+    """The head's ranks of the target's own tokens, depth by depth, along text the target generated.
+
+    At every response position t of every row (a round whose root is token t + 1, everything up to it committed),
+    runs the head as a round's chain does, fed the true tokens (`ttt_logits`, `depth` steps), and records where the
+    target's token t + j + 2 ranks among the head's step-j candidates (0 = its top choice). As long as a round's
+    drafts are accepted they are the true tokens, so these ranks decide exactly how much of a chain, or of a full
+    tree of top-k children, the target accepts at T=0 (`jaxspec.budget.expected_tokens_per_round`).
+
+    Args:
+        feature_layers: the head's target layers.
+        tokens: int[R, S] prompts followed by the target's greedy continuations, right-padded.
+        lengths: int[R] real tokens per row; response_starts: int[R] index of each row's first generated token.
+        depth: steps to measure.
+    Returns:
+        int64[P, depth], one row per measured position; NOT_DRAFTABLE where the token is not in the draft
+        vocabulary or lies beyond the row's text.
+    """
+    toks = np.asarray(tokens, np.int64)  # [R, S]
+    r, s = toks.shape
+    d2t = np.asarray(draft_to_target(params))  # [Vd]
+    t2d = np.full(target_cfg.vocab_size, -1, np.int64)  # [V]: draft id of each target id, -1 if none
+    t2d[d2t] = np.arange(len(d2t))
+    ranks = np.full((r, s, depth), NOT_DRAFTABLE, np.int64)  # [R, S, depth]
+    for row in range(r):  # one row at a time: [depth, S, Vd] logits at most
+        logits = np.asarray(_chain_logits(params, target_weights, target_cfg, tuple(feature_layers),
+                                          jnp.asarray(toks[row: row + 1], jnp.int32), depth))[:, 0]  # [depth, S, Vd]
+        for j in range(depth):  # column t predicts token t + j + 2
+            wanted = np.full(s, -1, np.int64)  # [S]
+            wanted[: max(s - j - 2, 0)] = t2d[toks[row, j + 2:]]
+            own = np.take_along_axis(logits[j], np.maximum(wanted, 0)[:, None], axis=-1)  # [S, 1]
+            rank = (logits[j] > own).sum(-1)  # [S]
+            beyond = np.arange(s) + j + 2 >= lengths[row]
+            ranks[row, :, j] = np.where((wanted < 0) | beyond, NOT_DRAFTABLE, rank)
+    # the first round's root is the first generated token (index response_start), so t runs from
+    # response_start - 1 to the last column with a token to predict
+    cols = np.arange(s)[None, :]
+    measured = (cols >= np.asarray(response_starts)[:, None] - 1) & (cols + 2 < np.asarray(lengths)[:, None])
+    return ranks[measured].astype(np.int64)
+
+
+@functools.partial(jax.jit, static_argnames=("target_cfg", "feature_layers", "depth"))
+def _chain_logits(params, target_weights, target_cfg, feature_layers, tokens, depth):
+    """tokens: int32[R, S] -> [depth, R, S, Vd]: the head's step-j logits fed the true tokens (`ttt_logits`)."""
+    r, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))  # [R, S]
+    out = forward(target_weights, target_cfg, tokens, positions, hidden_layers=feature_layers, compute_logits=False)
+    return jnp.stack(ttt_logits(params, target_cfg, target_weights.embed, tokens, fuse_features(params, out.hidden),
+                                depth))
