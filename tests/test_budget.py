@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from jaxspec import budget
@@ -156,3 +157,58 @@ def test_measure_cache_reuse_and_corrupt_cache(tiny_llama3, tmp_path, monkeypatc
     # a grid the cache does not cover is measured
     bigger = load_or_measure_cost_model(model, progress=False, **{**grid, "token_counts": (1, 5)})
     assert len(calls) == 2 and bigger.token_counts == [1, 5]
+
+
+# ---------------------------------------------------------------------------------------------- EAGLE tree shapes
+
+
+def test_expected_tokens_per_round_on_hand_made_ranks():
+    from jaxspec.budget import TreeShape, expected_tokens_per_round
+
+    big = 1 << 30
+    ranks = np.array([[0, 0, 1], [0, 2, 0], [3, 0, 0], [0, 0, 0], [1, big, 0]])  # [P, 3]
+    # chain of d: drafts kept = leading zeros, at most d
+    assert expected_tokens_per_round(ranks, TreeShape(1, 1, 1)) == pytest.approx(1 + 3 / 5)
+    assert expected_tokens_per_round(ranks, TreeShape(2, 1, 2)) == pytest.approx(1 + (2 + 1 + 0 + 2 + 0) / 5)
+    assert expected_tokens_per_round(ranks, TreeShape(3, 1, 3)) == pytest.approx(1 + (2 + 1 + 0 + 3 + 0) / 5)
+    # full depth-2 trees: ranks below top_k at both depths
+    assert expected_tokens_per_round(ranks, TreeShape(2, 2, 6)) == pytest.approx(1 + (2 + 1 + 0 + 2 + 1) / 5)
+    assert expected_tokens_per_round(ranks, TreeShape(2, 4, 20)) == pytest.approx(1 + (2 + 2 + 2 + 2 + 1) / 5)
+    assert expected_tokens_per_round(ranks, TreeShape(1, 2, 2)) == pytest.approx(1 + 4 / 5)
+    with pytest.raises(UserError, match="not modelled"):
+        expected_tokens_per_round(ranks, TreeShape(3, 2, 8))  # EAGLE-2 prunes depth 3: not exact, refused
+    with pytest.raises(UserError, match="do not cover depth"):
+        expected_tokens_per_round(ranks, TreeShape(4, 1, 4))
+    with pytest.raises(UserError, match="do not cover"):
+        expected_tokens_per_round(np.zeros((0, 3), int), TreeShape(1, 1, 1))
+
+
+def test_choose_tree_picks_the_argmax_of_its_own_throughput_model():
+    """On hand-made costs and ranks: the chosen shape is the one whose batch * tau / (verify + draft) is highest,
+    computed here independently; a device where extra tokens are free picks a wide tree, one where every token
+    costs picks a short chain."""
+    from jaxspec.budget import TREE_SHAPES, choose_tree, format_tree_table
+
+    rng = np.random.default_rng(0)
+    ranks = np.minimum(rng.geometric(0.55, size=(400, 6)) - 1, 9)  # rank 0 with p 0.55, then rarer
+    counts = [1, 2, 3, 4, 5, 6, 7, 13, 21]
+
+    def draft(rows, shape):
+        return 1e-4 * shape.depth
+
+    for per_token, expect_wide in ((0.0, True), (1.0, False)):  # ms per extra token on top of 10 ms
+        cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                         seconds=[[1e-2 + 1e-3 * per_token * (t - 1) for t in counts]])
+        shape, rows = choose_tree(cost, 1, ranks, draft)
+        by_hand = []
+        for s in TREE_SHAPES:
+            inside = ranks[:, : s.depth] < s.top_k
+            tau = 1 + np.cumprod(inside, axis=1).sum(axis=1).mean()
+            by_hand.append(tau / (1e-2 + 1e-3 * per_token * s.num_nodes + 1e-4 * s.depth))
+        assert shape == TREE_SHAPES[int(np.argmax(by_hand))]
+        assert [r["tokens_per_second"] for r in rows] == pytest.approx(by_hand)
+        assert sum(r["chosen"] for r in rows) == 1 and rows[int(np.argmax(by_hand))]["chosen"]
+        assert (shape.top_k > 1) == expect_wide and (expect_wide or shape.depth <= 3)
+        assert "*" in format_tree_table(rows)
+    with pytest.raises(UserError, match="batch size"):
+        choose_tree(cost, 0, ranks, draft)

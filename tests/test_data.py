@@ -269,3 +269,53 @@ def test_regenerate_command_on_smollm2(smollm2, tmp_path, monkeypatch):
     for i in range(data.num_samples):
         ids = encode_prompt(smollm2.tokenizer, prompts[data.source_index[i]], chat=True)
         assert data.sample(i)[: data.prompt_lengths[i]].tolist() == ids
+
+
+def test_features_saved_while_generating_equal_a_fresh_forward_and_resume_without_gaps(target, tmp_path):
+    """--feature-layers: the features written at generation time equal a fresh target forward over the same tokens
+    (to bfloat16 rounding); a run killed after its 2nd shard resumes to the same shards and feature files as an
+    uninterrupted one, every sample's features exactly where the reader looks for them."""
+    import jax.numpy as jnp
+
+    from jaxspec.data import FEATURES_SUFFIX
+    from jaxspec.model import forward
+
+    layers = (0, target.config.num_layers - 1)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _run(target, whole, feature_layers=layers)
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_second(shard, manifest):
+        if shard == 1:
+            raise Killed
+
+    with pytest.raises(Killed):
+        _run(target, resumed, feature_layers=layers, on_shard=kill_after_second)
+    (resumed / ("shard-00002.npz" + FEATURES_SUFFIX)).write_bytes(b"killed before its shard was listed")
+    written = []
+    manifest = _run(target, resumed, feature_layers=layers, on_shard=lambda s, m: written.append(s))
+    assert written == [2, 3] and manifest["complete"]
+    assert manifest["generation"]["feature_layers"] == list(layers)
+    assert manifest["counts"]["disk_bytes"] == sum(os.path.getsize(resumed / f) for f in os.listdir(resumed)
+                                                   if f.startswith("shard-"))
+    for s in range(4):
+        name = f"shard-{s:05d}.npz" + FEATURES_SUFFIX
+        np.testing.assert_array_equal(np.load(whole / name), np.load(resumed / name), err_msg=name)
+
+    data = RegeneratedDataset(str(resumed))
+    assert data.has_features(layers) and not data.has_features((1,) if 1 not in layers else (99,))
+    seq_len = int(data.lengths.max()) + 3
+    saved = data.features(np.arange(data.num_samples), layers, seq_len)  # [n, N, S, d]
+    assert saved.shape == (2, 10, seq_len, target.config.hidden_size)
+    for i in range(data.num_samples):
+        tokens = data.sample(i)
+        n = len(tokens)
+        out = forward(target.weights, target.config, jnp.asarray(tokens)[None], jnp.arange(n)[None],
+                      hidden_layers=layers)
+        fresh = np.asarray(out.hidden[:, 0, : n - 1])  # the last token is never fed while generating
+        np.testing.assert_allclose(saved[:, i, : n - 1], fresh, rtol=2 ** -8, atol=1e-6, err_msg=f"sample {i}")
+        assert not saved[:, i, n - 1:].any()  # the last token's row and the padding are zeros
+    with pytest.raises(UserError, match="no saved features"):
+        data.features([0], (1, 2, 3), seq_len)

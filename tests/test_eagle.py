@@ -478,3 +478,31 @@ def test_tree_options_for_the_eagle_methods(tiny_llama3):
         build_method("eagle", model, MethodOptions(drafter="untrained", tree_nodes=8))
     with pytest.raises(UserError, match="--tree-nodes"):
         build_method("prompt-lookup", model, MethodOptions(tree_nodes=8))
+
+
+def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
+    """`draft_ranks` (the head fed the true tokens) predicts exactly how many drafts each round of a real greedy
+    chain run accepts: the run's rounds start at roots t_0 = prompt end, t_{k+1} = t_k + accepted_k + 1, and at
+    each the accepted count is the number of leading rank-0 steps (capped at the depth). Shipped EAGLE-3 head."""
+    from jaxspec.drafters.eagle import draft_ranks
+    from jaxspec.methods import MethodOptions, build_method
+    from jaxspec.tokenizer import encode_prompt
+
+    depth = 3
+    method = build_method("eagle3", smollm2, MethodOptions(num_draft_tokens=depth, tree_width=1, tree_nodes=depth))
+    prompt = encode_prompt(smollm2.tokenizer, "Write a Python function that returns the squares of a list.")
+    run = speculative_generate(smollm2.weights, smollm2.config, method.drafter, method.params, [prompt],
+                               max_new_tokens=48, eos_ids=())
+    text = prompt + run.token_ids[0]
+    ranks = draft_ranks(method.params, smollm2.weights, smollm2.config, method.drafter.target_layers,
+                        np.array([text]), np.array([len(text)]), np.array([len(prompt)]), depth)  # [P, depth]
+    assert len(ranks) == len(text) - len(prompt) - 1
+    root, checked = len(prompt) - 1, 0  # column t of the round whose root is token t + 1
+    for accepted in run.accepted[0]:
+        if root + 1 + depth >= len(text):
+            break  # the run's end cut this round short
+        leading = int(np.cumprod(ranks[root - (len(prompt) - 1)] == 0).sum())
+        assert accepted == leading, f"round at root {root + 1}"
+        root += accepted + 1
+        checked += 1
+    assert checked >= 10 and sum(run.accepted[0]) > 0  # the head does accept: the check has teeth
