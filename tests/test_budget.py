@@ -154,9 +154,10 @@ def test_measure_cache_reuse_and_corrupt_cache(tiny_llama3, tmp_path, monkeypatc
     again = load_or_measure_cost_model(model, progress=False, **grid)
     assert len(calls) == 1 and "unreadable" in capsys.readouterr().err
     assert again.token_counts == [1, 3] and json.load(open(path))["model"] == model.fingerprint()
-    # a grid the cache does not cover is measured
+    # a grid the cache does not cover is measured, together with what the cache held (so that methods needing
+    # other shapes do not keep re-measuring each other's): the new file covers both
     bigger = load_or_measure_cost_model(model, progress=False, **{**grid, "token_counts": (1, 5)})
-    assert len(calls) == 2 and bigger.token_counts == [1, 5]
+    assert len(calls) == 2 and bigger.token_counts == [1, 3, 5] and bigger.covers([1, 2], [1, 3, 5])
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE tree shapes
