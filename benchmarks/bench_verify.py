@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import init_cache
 from jaxspec.loading import DEFAULT_MODEL, load_model
-from jaxspec.model import causal_mask, forward
+from jaxspec.model import causal_mask, execution_weights, forward
 
 
 def main() -> None:
@@ -24,9 +24,12 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,2,4,8,16,32")
     parser.add_argument("--cache", type=int, default=256, help="cache slots per row")
+    parser.add_argument("--stacked", action="store_true",
+                        help="scan the stacked layers instead of the layout generation runs on this backend")
     args = parser.parse_args()
     model = load_model(args.model, with_tokenizer=False)
     cfg = model.config
+    weights = model.weights if args.stacked else execution_weights(model.weights)
 
     def run(weights, n, t):  # n forwards of t tokens each
         cache = dataclasses.replace(init_cache(cfg, 1, args.cache), lengths=jnp.array([40], jnp.int32))
@@ -43,11 +46,11 @@ def main() -> None:
     base = None
     print(f"{'T':>4} {'ms/forward':>11} {'x one step':>11}")
     for t in [int(x) for x in args.sizes.split(",")]:
-        step(model.weights, 20, t).block_until_ready()
+        step(weights, 20, t).block_until_ready()
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
-            step(model.weights, 20, t).block_until_ready()
+            step(weights, 20, t).block_until_ready()
             best = min(best, (time.perf_counter() - start) / 20 * 1000)
         base = base or best
         print(f"{t:>4} {best:>11.2f} {best / base:>10.2f}x", flush=True)

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights
+from jaxspec.model import Weights, execution_weights
 from jaxspec.tree import DraftTree, chain_parents
 from jaxspec.verification import verify_forward
 
@@ -143,6 +143,8 @@ def device_name(dtype=None) -> str:
     """The first device as platform-kind[-dtype], e.g. "gpu-NVIDIA H200-bfloat16" (dtype: the weights')."""
     device = jax.devices()[0]
     name = f"{device.platform}-{device.device_kind}"
+    if device.platform == "cpu":  # the layers run unstacked there (jaxspec.model.execution_weights)
+        name += "-unstacked"
     return name if dtype is None else f"{name}-{jnp.dtype(dtype).name}"
 
 
@@ -182,7 +184,7 @@ def measure_cost_model(
         raise UserError(f"Batch sizes and token counts must be positive; got {batch_sizes} and {token_counts}.")
     if context < 0 or repeats < 1:
         raise UserError(f"The context must be >= 0 and repeats >= 1; got context={context}, repeats={repeats}.")
-    weights, cfg = target.weights, target.config
+    weights, cfg = execution_weights(target.weights), target.config  # as the generation functions run them
     seconds = []  # [len(batch_sizes), len(token_counts)]
     with tqdm(total=len(batch_sizes) * len(token_counts), desc="cost model", unit="shape", disable=not progress,
               file=sys.stderr) as bar:
@@ -374,7 +376,7 @@ TREE_SHAPES = tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(2
 
 
 # Token counts (nodes + 1) of the TREE_SHAPES, measured for the EAGLE cost model.
-EAGLE_TOKEN_COUNTS = tuple(sorted({1} | {s.num_nodes + 1 for s in TREE_SHAPES}))
+EAGLE_TOKEN_COUNTS = tuple(sorted({1} | {s.num_nodes + 1 for s in TREE_SHAPES} - {6}))  # 6: interpolated
 
 
 def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape) -> float:

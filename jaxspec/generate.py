@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, causal_mask, lm_head
+from jaxspec.model import Weights, causal_mask, execution_weights, lm_head
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 from jaxspec.sharding import forward_on_mesh, place_inputs, to_host
 
@@ -275,6 +275,7 @@ def stream_generate(
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length)
     eos = np.asarray(tuple(cfg.eos_token_ids if eos_ids is None else eos_ids), np.int32)
     rng = jax.random.key(seed)
+    weights = execution_weights(weights)
     cache = init_cache(cfg, len(batch.lengths), batch.cache_size, weights.embed.dtype)
     logits, _, cache = _prefill_jit(weights, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), cache)
     last = _sample_jit(jax.random.fold_in(rng, 0), logits, sampling)

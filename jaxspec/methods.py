@@ -88,8 +88,11 @@ class Method:
         expected tokens/s from the device's verification cost model and the head's measured acceptance. Drafting is
         costed as one target layer per head forward (each of the `depth` steps over top_k nodes, and the absorbing
         of the last round's nodes + 1 pairs)."""
-        from jaxspec.budget import choose_tree
+        from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, load_or_measure_cost_model
 
+        if batch not in self.cost_model.batch_sizes:  # measured at the batch sizes in use, once per device
+            self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
+                                                         token_counts=EAGLE_TOKEN_COUNTS)
         cost, layers = self.cost_model, self.target.config.num_layers
 
         def draft_seconds(rows: int, shape) -> float:
@@ -211,7 +214,8 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
         if auto and dynamic_tree and getattr(drafter, "choices", None) is None:
             from jaxspec.budget import EAGLE_TOKEN_COUNTS, load_or_measure_cost_model
 
-            cost_model = load_or_measure_cost_model(target, token_counts=EAGLE_TOKEN_COUNTS)
+            # batch 1 now; other batch sizes when they are first used (Method.auto_tree)
+            cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
             tree_ranks = measured_draft_ranks(target, drafter, params)
         elif auto:
             from jaxspec.budget import load_or_measure_cost_model
@@ -482,11 +486,11 @@ def measured_draft_ranks(target: LoadedModel, drafter, params) -> Any:
             return np.load(path)
         except (OSError, ValueError):
             pass
-    if target.tokenizer is None:
-        raise UserError("--budget auto for an EAGLE head measures its acceptance on the target's answers to chat "
-                        "prompts, which needs the target's tokenizer; give the tree by hand (--num-draft-tokens, "
-                        "--tree-width, --tree-nodes) instead.")
-    prompts = [encode_prompt(target.tokenizer, p) for p in CALIBRATION_PROMPTS]
+    if target.tokenizer is not None:
+        prompts = [encode_prompt(target.tokenizer, p) for p in CALIBRATION_PROMPTS]
+    else:  # no tokenizer (a bare checkpoint): the target's own continuations of fixed random token prompts
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(1, target.config.vocab_size, 16).tolist() for _ in CALIBRATION_PROMPTS]
     answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS).token_ids
     lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
     tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]

@@ -47,10 +47,13 @@ class LayerWeights:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Weights:
-    """All weights of a decoder. `lm_head` is None when the output is tied to the embedding."""
+    """All weights of a decoder. `lm_head` is None when the output is tied to the embedding.
+
+    `layers` is one LayerWeights stacked over the layer axis (what loading, sharding and training use; the forward
+    scans it), or, on CPU, a tuple of per-layer LayerWeights (`unstack_layers`): see there."""
 
     embed: jax.Array  # [V, d]
-    layers: LayerWeights
+    layers: LayerWeights | tuple[LayerWeights, ...]
     final_norm: jax.Array  # [d]
     lm_head: jax.Array | None = None  # [d, V]
 
@@ -143,23 +146,38 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
     return out.reshape(b, t, hq, h)
 
 
+def _rowwise(spec: str, x: jax.Array, w: jax.Array, rowwise: bool, **einsum_kwargs) -> jax.Array:
+    """einsum(spec, x, w) for x: [B, T, ...]; with `rowwise`, one matrix-vector product per (b, t) row.
+
+    XLA's CPU backend runs a 1-row product as a matrix-vector kernel that streams the weight once, but 2-8 rows as a
+    matrix product that costs about as much as 2-4 such streams; for a few rows (a verification of a short chain)
+    separate 1-row products over an unstacked layer's weight are faster (measured in docs/cpu-performance.md).
+    """
+    if not rowwise:
+        return jnp.einsum(spec, x, w, **einsum_kwargs)
+    b, t = x.shape[:2]
+    rows = [[jnp.einsum(spec, x[i:i + 1, j:j + 1], w, **einsum_kwargs) for j in range(t)] for i in range(b)]
+    return jnp.concatenate([jnp.concatenate(row, axis=1) for row in rows], axis=0)
+
+
 def _sum_shards(x: jax.Array, model_axis: str | None) -> jax.Array:
     """Tensor parallelism: adds the partial results of the devices that each hold a slice of the heads or of f."""
     return x if model_axis is None else jax.lax.psum(x, model_axis)
 
 
 def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask,
-           model_axis=None):
+           model_axis=None, rowwise: bool = False):
     """One decoder layer. x: [B, T, d]; lw: one layer's weights (no L axis); cache_k/v: [B, Hkv, S, h] or None.
 
     Head counts come from the weights' shapes, so inside shard_map with the heads and f split over `model_axis`
     this runs on the local slice and sums the two output projections over the axis (Megatron-style).
+    rowwise: the projections as one matrix-vector product per row (`_rowwise`).
     Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]).
     """
     hx = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", hx, lw.wq)
-    k = jnp.einsum("btd,dkh->btkh", hx, lw.wk)
-    v = jnp.einsum("btd,dkh->btkh", hx, lw.wv)
+    q = _rowwise("btd,dnh->btnh", hx, lw.wq, rowwise)
+    k = _rowwise("btd,dkh->btkh", hx, lw.wk, rowwise)
+    v = _rowwise("btd,dkh->btkh", hx, lw.wv, rowwise)
     if lw.bq is not None:
         q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
     if lw.q_norm is not None:
@@ -168,24 +186,38 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask)
-    x = x + _sum_shards(jnp.einsum("btnh,nhd->btd", attn, lw.wo), model_axis)
+    x = x + _sum_shards(_rowwise("btnh,nhd->btd", attn, lw.wo, rowwise), model_axis)
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", hx, lw.w_gate)
-    up = jnp.einsum("btd,df->btf", hx, lw.w_up)
-    x = x + _sum_shards(jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lw.w_down), model_axis)
+    gate = _rowwise("btd,df->btf", hx, lw.w_gate, rowwise)
+    up = _rowwise("btd,df->btf", hx, lw.w_up, rowwise)
+    x = x + _sum_shards(_rowwise("btf,fd->btd", jax.nn.silu(gate) * up, lw.w_down, rowwise), model_axis)
     return x, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, cache_v, cache_lengths, mask, *,
                keep_hidden: bool = False, model_axis: str | None = None):
-    """Runs a stack of layers (a scan over their leading axis) without touching the cache.
+    """Runs a stack of layers (a scan over their leading axis, or a loop over a tuple of unstacked layers) without
+    touching the cache.
 
-    layers: LayerWeights with a leading axis Lr; x: [B, T, d]; positions: int32[B, T]; cache_k, cache_v:
+    layers: LayerWeights with a leading axis Lr, or a tuple of Lr LayerWeights (`unstack_layers`); x: [B, T, d];
+    positions: int32[B, T]; cache_k, cache_v:
     [Lr, B, Hkv, S, h] or None; cache_lengths: int32[B] (slots visible per row); mask: bool[B, T, T] or None.
     model_axis: inside shard_map, the mesh axis the heads and f are split over (see `_layer`).
     Returns (x [B, T, d], new_k [Lr, B, Hkv, T, h], new_v, hidden [Lr, B, T, d] or None: every layer's output).
     """
     inv_freq = rope_inverse_frequencies(cfg)
+    if isinstance(layers, tuple):  # one buffer per layer: no per-step copy of each layer's slice (CPU)
+        b, t = x.shape[:2]
+        rowwise = 1 < b * t <= ROWWISE_MAX_ROWS
+        new_k, new_v, hidden = [], [], []
+        for i, lw in enumerate(layers):
+            ck = None if cache_k is None else cache_k[i]
+            cv = None if cache_v is None else cache_v[i]
+            x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask, model_axis, rowwise)
+            new_k.append(nk)
+            new_v.append(nv)
+            hidden.append(x)
+        return x, jnp.stack(new_k), jnp.stack(new_v), jnp.stack(hidden) if keep_hidden else None
 
     def body(x, per_layer):
         lw, ck, cv = per_layer
@@ -194,6 +226,50 @@ def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, ca
 
     x, (new_k, new_v, hidden) = jax.lax.scan(body, x, (layers, cache_k, cache_v))
     return x, new_k, new_v, hidden
+
+
+ROWWISE_MAX_ROWS = 4  # unstacked layers: up to this many rows (batch x tokens) as separate matrix-vector products
+
+
+def unstack_layers(weights: Weights) -> Weights:
+    """The same weights with one buffer per layer: `layers` a tuple of per-layer LayerWeights.
+
+    On XLA's CPU backend a scan over stacked layers copies every layer's weights out of the stack before each
+    matrix product (a dynamic slice feeding a library kernel), which made most of a batch-1 decoding step; separate
+    buffers are read in place (docs/cpu-performance.md). The forward unrolls the layers (longer compilation).
+    The generation functions do this on CPU themselves (`execution_weights`); already unstacked weights pass.
+    """
+    if isinstance(weights.layers, tuple):
+        return weights
+    num_layers = weights.layers.attn_norm.shape[0]
+    layers = tuple(jax.tree.map(lambda w, i=i: w[i], weights.layers) for i in range(num_layers))
+    return dataclasses.replace(weights, layers=layers)
+
+
+def select_layers(layers: LayerWeights | tuple[LayerWeights, ...], start: int, end: int):
+    """Layers [start, end) of a stacked LayerWeights or of a tuple of unstacked ones."""
+    if isinstance(layers, tuple):
+        return layers[start:end]
+    return jax.tree.map(lambda w: w[start:end], layers)
+
+
+_EXECUTION_WEIGHTS: dict[int, tuple[Weights, Weights]] = {}
+
+
+def execution_weights(weights: Weights, mesh=None) -> Weights:
+    """The weights as the generation functions run them on this backend: unstacked on CPU without a mesh
+    (`unstack_layers`; the last two conversions are kept, so repeated calls with the same weights convert once), as
+    they are elsewhere (accelerators fuse the slice of a scanned stack into the matrix product)."""
+    if mesh is not None or jax.default_backend() != "cpu" or isinstance(weights.layers, tuple):
+        return weights
+    cached = _EXECUTION_WEIGHTS.get(id(weights))
+    if cached is not None and cached[0] is weights:
+        return cached[1]
+    unstacked = jax.block_until_ready(unstack_layers(weights))
+    if len(_EXECUTION_WEIGHTS) >= 2:  # a target and a draft model at most: each copy doubles that model's memory
+        _EXECUTION_WEIGHTS.pop(next(iter(_EXECUTION_WEIGHTS)))
+    _EXECUTION_WEIGHTS[id(weights)] = (weights, unstacked)
+    return unstacked
 
 
 def embed_tokens(weights: Weights, tokens: jax.Array, model_axis: str | None = None) -> jax.Array:
@@ -211,9 +287,11 @@ def embed_tokens(weights: Weights, tokens: jax.Array, model_axis: str | None = N
 def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """x: [B, T, d] residual stream -> float32 logits [B, T, V] (final norm, then the output projection)."""
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    b, t = x.shape[:2]
+    rowwise = isinstance(weights.layers, tuple) and 1 < b * t <= ROWWISE_MAX_ROWS  # see `_rowwise`
     if weights.lm_head is None:
-        return jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+        return _rowwise("btd,vd->btv", x, weights.embed, rowwise, preferred_element_type=jnp.float32)
+    return _rowwise("btd,dv->btv", x, weights.lm_head, rowwise, preferred_element_type=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- forward
@@ -271,7 +349,7 @@ def forward(
     b, t = positions.shape
     if mask is None and t > 1:
         mask = causal_mask(b, t)
-    layers = jax.tree.map(lambda w: w[start:end], weights.layers)
+    layers = select_layers(weights.layers, start, end)
 
     if cache is not None:
         cache_lengths = cache.lengths

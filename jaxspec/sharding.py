@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import ForwardOutput, LayerWeights, Weights, forward
+from jaxspec.model import ForwardOutput, LayerWeights, Weights, execution_weights, forward
 
 # Mesh axis names.
 DATA = "data"
@@ -294,7 +294,8 @@ def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, 
 
     tokens: int32[B, P] and lengths: int32[B] (numpy, the same on every host); returns (weights split over the
     model axis, tokens and lengths split by rows over the data axis, a replicated PRNG key). Weights already
-    placed this way are not copied again. With mesh None: the arrays as they are and the key.
+    placed this way are not copied again. With mesh None: the weights as this backend runs them
+    (`jaxspec.model.execution_weights`), the arrays as they are and the key.
 
     Raises:
         UserError: before any work, if the data axis does not divide B or the model axis a model dimension.
@@ -302,8 +303,8 @@ def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, 
     import numpy as np
 
     rng = jax.random.key(seed)
-    if mesh is None:
-        return weights, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), rng
+    if mesh is None:  # on CPU the layers unstacked (`jaxspec.model.execution_weights`)
+        return execution_weights(weights), jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), rng
     check_divisible(cfg, len(lengths), mesh)
     weights = jax.device_put(weights, weight_shardings(weights, mesh))
 

@@ -22,7 +22,7 @@ from jaxspec.cache import commit_positions, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
-from jaxspec.model import Weights
+from jaxspec.model import Weights, execution_weights
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 from jaxspec.sharding import place_inputs, replicate_on_mesh, to_host
 from jaxspec.verification import verify_and_accept, verify_forward
@@ -163,6 +163,8 @@ def speculative_generate(
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
     weights, tokens, lengths, rng = place_inputs(mesh, cfg, weights, batch.tokens, batch.lengths, seed)
     drafter_params = replicate_on_mesh(mesh, drafter_params)
+    if isinstance(drafter_params, Weights):  # a draft model: run on this backend's layout, like the target
+        drafter_params = execution_weights(drafter_params, mesh)
     start = time.perf_counter()
     out, counts, rounds, accepted = speculative_generate_tokens(
         weights, cfg, drafter, drafter_params, tokens, lengths, rng, max_new_tokens=max_new_tokens,

@@ -169,7 +169,8 @@ def test_a_learned_method_can_name_its_drafter(tiny_llama3):
 
 def test_budget_sweep_builds_one_method_per_budget(tiny_llama3, tmp_path, monkeypatch):
     """`--budget 4,8,16,auto` builds ddtree and jetspec once per budget (auto: chosen per batch size from a cached
-    cost model), dflash once per distinct chain length (capped at its block size) and eagle3 once per tree size N;
+    cost model), dflash once per distinct chain length (capped at its block size) and eagle3 once per tree size N
+    and once with its tree shape chosen by the cost model and the head's measured ranks;
     the runs stay greedy-identical and record the node count."""
     from jaxspec.bench import build_methods
     from jaxspec.budget import CostModel, cost_model_path, device_name
@@ -187,7 +188,9 @@ def test_budget_sweep_builds_one_method_per_budget(tiny_llama3, tmp_path, monkey
     assert labels == ["autoregressive ", "dflash[untrained] 4", "dflash[untrained] 8",
                       "dflash[untrained][auto] 8", "jetspec[untrained] 4", "jetspec[untrained] 8",
                       "jetspec[untrained] 16", "jetspec[untrained][auto] 64", "eagle3[untrained] 4",
-                      "eagle3[untrained] 8", "eagle3[untrained] 16"]
+                      "eagle3[untrained] 8", "eagle3[untrained] 16", labels[-1]]
+    # eagle3's --budget auto: a shape of jaxspec.budget.TREE_SHAPES, from the cost model measured for it
+    assert labels[-1].startswith("eagle3[untrained][auto] ") and methods[-1].tree_ranks is not None
     bench = run_bench(target, [methods[0], methods[7], methods[5]], {"ids": [ref["input_ids"][0, :7].tolist()]},
                       max_new_tokens=8, progress=False)
     rows = bench["results"]

@@ -1,0 +1,154 @@
+"""Where the time of a decoding step goes: a `jax.profiler` trace of the jitted loop, per-op times grouped.
+
+    python benchmarks/profile_step.py                          # autoregressive, batch 1, 256 cache slots
+    python benchmarks/profile_step.py --batch 16 --cache 1024
+    python benchmarks/profile_step.py --method eagle3          # a speculative round: draft / verify / commit
+    python benchmarks/profile_step.py --stacked                # scan the stacked layers (the accelerator layout)
+    python benchmarks/profile_step.py --matmul                 # 30 chained 576 x 1536 products, stacked vs per layer
+
+Per-op durations come from the trace; each op is attributed to the phase named in the compiled HLO's op_name
+(the loop's `jax.named_scope`s: draft, verify, commit). Ops of the two cores overlap, so the shares are what to
+read, not the sums. See docs/cpu-performance.md for what these showed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.generate import generate_tokens
+from jaxspec.loading import DEFAULT_MODEL, load_model
+from jaxspec.model import execution_weights
+
+
+def _trace(run, steps: int) -> collections.Counter:
+    """Runs `run` once under the profiler; returns {op name: microseconds} over the trace."""
+    folder = tempfile.mkdtemp(prefix="jaxspec-profile-")
+    jax.profiler.start_trace(folder)
+    run()
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(sorted(glob.glob(folder + "/**/*.trace.json.gz", recursive=True))[-1]))
+    times = collections.Counter()
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and not event["name"].startswith(("ThunkExecutor", "$", "Pjit", "Slinky", "end:")):
+            times[event["name"]] += event["dur"]
+    return times
+
+
+def _scopes(compiled_text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata."""
+    out = {}
+    for line in compiled_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*op_name=\"([^\"]*)\"", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def _kind(op: str, scope: str) -> str:
+    for phase in ("draft", "verify", "commit"):
+        if f"/{phase}/" in scope:
+            return phase
+    name = re.sub(r"[.\d]+$", "", op)
+    return {"dynamic-slice_bitcast_fusion": "weight slice copies", "ynn_fusion": "library matrix products",
+            "dot": "matrix products"}.get(name, name)
+
+
+def profile_loop(args) -> None:
+    target = load_model(args.model)
+    weights = target.weights if args.stacked else execution_weights(target.weights)
+    cfg, b = target.config, args.batch
+    tokens = jnp.zeros((b, 64), jnp.int32)  # [B, 64]
+    lengths = jnp.full((b,), 40, jnp.int32)  # [B]
+    if args.method == "autoregressive":
+        fn = generate_tokens
+        call_args = (weights, cfg, tokens, lengths, jax.random.key(0))
+        kwargs = dict(max_new_tokens=args.steps, cache_size=args.cache)
+    else:
+        from jaxspec.methods import MethodOptions, build_method
+        from jaxspec.speculative import speculative_generate_tokens
+
+        method = build_method(args.method, target, MethodOptions())
+        drafter = method.drafter_for_batch(b)
+        fn = speculative_generate_tokens
+        call_args = (weights, cfg, drafter, method.params, tokens, lengths, jax.random.key(0))
+        kwargs = dict(max_new_tokens=args.steps, cache_size=args.cache)
+    run = lambda: jax.block_until_ready(fn(*call_args, **kwargs))  # noqa: E731
+    run()
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    rounds = args.steps if args.method == "autoregressive" else int(np.asarray(result[2]).max())
+    scopes = _scopes(fn.lower(*call_args, **kwargs).compile().as_text())
+    times = _trace(run, rounds)
+    grouped = collections.Counter()
+    for op, us in times.items():
+        grouped[_kind(op, scopes.get(op, ""))] += us
+    total = sum(grouped.values())
+    print(f"{args.method}, batch {b}, {args.cache} cache slots, {'stacked' if args.stacked else 'execution'} layout: "
+          f"{seconds * 1e3 / rounds:.1f} ms per {'step' if args.method == 'autoregressive' else 'round'} "
+          f"({rounds} of them)")
+    for kind, us in grouped.most_common(args.top):
+        print(f"  {us / 1e3 / rounds:8.2f} ms  {100 * us / total:5.1f}%  {kind}")
+
+
+def profile_matmul(_args) -> None:
+    """30 chained [M, 576] x [576, 1536] products: one stacked array scanned vs 30 separate buffers."""
+    def best(f, n=15):
+        f()
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    stacked = np.random.default_rng(0).standard_normal((30, 576, 1536), np.float32)  # [L, d, f]
+    stack = jnp.asarray(stacked)
+    layers = [jnp.asarray(stacked[i]) for i in range(30)]
+
+    def scan(ws, x):
+        return jax.lax.scan(lambda c, w: (c + 1e-3 * (c @ w)[:, :576], None), x, ws)[0]
+
+    def unrolled(ws, x, rowwise):
+        for w in ws:
+            y = jnp.concatenate([x[i:i + 1] @ w for i in range(x.shape[0])]) if rowwise else x @ w
+            x = x + 1e-3 * y[:, :576]
+        return x
+
+    fs = {"stacked scan": (jax.jit(scan), stack),
+          "per layer": (jax.jit(lambda ws, x: unrolled(ws, x, False)), layers),
+          "per layer, 1-row products": (jax.jit(lambda ws, x: unrolled(ws, x, True)), layers)}
+    print(f"30 chained products, {stacked.nbytes / 1e6:.0f} MB of weights; ms, best of 15")
+    for m in (1, 2, 4, 8):
+        x = jnp.ones((m, 576), jnp.float32)  # [M, d]
+        print(f"  M={m}: " + "  ".join(f"{name} {best(lambda f=f, w=w, x=x: f(w, x).block_until_ready()):.1f}"
+                                       for name, (f, w) in fs.items()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--method", default="autoregressive", help="autoregressive or a round-based method (eagle3, ...)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cache", type=int, default=256, help="cache slots per row")
+    p.add_argument("--steps", type=int, default=33, help="new tokens")
+    p.add_argument("--stacked", action="store_true", help="scan the stacked layers (the accelerator layout)")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--matmul", action="store_true", help="the matrix-product microbenchmark instead")
+    args = p.parse_args()
+    (profile_matmul if args.matmul else profile_loop)(args)
+
+
+if __name__ == "__main__":
+    main()
