@@ -508,7 +508,8 @@ def pipeline_generate(
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_stages + 1)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
     data_mesh = mesh if mesh is not None and DATA in mesh.axis_names else None
-    weights, tokens, lengths, rng = place_inputs(data_mesh, cfg, weights, batch.tokens, batch.lengths, seed)
+    weights, tokens, lengths, rng = place_inputs(data_mesh, cfg, weights, batch.tokens, batch.lengths, seed,
+                                                 stacked=True)  # the stages are slices of the stacked layers
     # arrays committed to one device cannot enter a program laid out on the mesh
     weights, drafter_params = replicate_on_mesh(mesh if stages_on_mesh else None, (weights, drafter_params))
     drafter_params = replicate_on_mesh(data_mesh, drafter_params)

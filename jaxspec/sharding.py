@@ -289,13 +289,15 @@ def forward_on_mesh(mesh: Mesh | None, weights: Weights, cfg: ModelConfig, token
 # ---------------------------------------------------------------------------------------------- placing inputs
 
 
-def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, lengths, seed: int):
+def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, lengths, seed: int,
+                 stacked: bool = False):
     """Checks the mesh against the batch and model, then places a generation's inputs on it.
 
     tokens: int32[B, P] and lengths: int32[B] (numpy, the same on every host); returns (weights split over the
     model axis, tokens and lengths split by rows over the data axis, a replicated PRNG key). Weights already
     placed this way are not copied again. With mesh None: the weights as this backend runs them
-    (`jaxspec.model.execution_weights`), the arrays as they are and the key.
+    (`jaxspec.model.execution_weights`; `stacked`: as they are, for callers that split the stacked layers, the
+    pipeline), the arrays as they are and the key.
 
     Raises:
         UserError: before any work, if the data axis does not divide B or the model axis a model dimension.
@@ -304,7 +306,8 @@ def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, 
 
     rng = jax.random.key(seed)
     if mesh is None:  # on CPU the layers unstacked (`jaxspec.model.execution_weights`)
-        return execution_weights(weights), jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), rng
+        weights = weights if stacked else execution_weights(weights)
+        return weights, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), rng
     check_divisible(cfg, len(lengths), mesh)
     weights = jax.device_put(weights, weight_shardings(weights, mesh))
 
