@@ -204,3 +204,39 @@ def test_spd_drafter_trains_through_the_pipeline_and_decodes_exactly(tiny_data, 
     prompts = [[5, 9, 33, 2], list(range(40, 58))]
     expected = generate(target.weights, target.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
     assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
+
+
+def test_features_saved_at_regeneration_train_without_running_the_target(tiny_data, tmp_path, monkeypatch):
+    """A regeneration with --feature-layers covering EAGLE-3's layers and the last one: training reads the saved
+    features (the target's feature forward is never called) and its losses equal those of features computed inside
+    the step on the same tokens, to the bfloat16 rounding of the saved features."""
+    import train.distill as distill
+    from jaxspec.configs import to_dict
+    from jaxspec.data import regenerate_ids
+    from jaxspec.drafters.eagle import Eagle3Config
+
+    target, plain_data = tiny_data
+    rng = np.random.default_rng(0)  # the prompts of the tiny_data fixture
+    prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(20)]
+    layers = Eagle3Config(draft_vocab_size=0).for_target(target.config).feature_layers
+    saved = str(tmp_path / "regen-features")
+    regenerate_ids(target, prompts, saved, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
+                   progress=False, feature_layers=(*layers, target.config.num_layers - 1))
+
+    def eagle3(data, out):
+        raw = to_dict(_config(data, str(tmp_path / out), steps=3, eval_every=0))
+        raw.update(method="eagle3", drafter={"draft_vocab_size": 0, "ttt_steps": 2, "depth": 2, "top_k": 2,
+                                             "num_nodes": 4})
+        return from_dict(TrainConfig, raw)
+
+    distill.train(eagle3(plain_data, "in-step"), progress=False)
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target ran although the regeneration saved its features")
+
+    monkeypatch.setattr(distill, "target_features", no_target)
+    distill.train(eagle3(saved, "saved"), progress=False)
+    losses = [[json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl")] for run in
+              ("in-step", "saved")]
+    assert len(losses[0]) == 3 and losses[0] != losses[1]  # not the same numbers by accident: features rounded
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-2)
