@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import init_cache
 from jaxspec.loading import DEFAULT_MODEL, load_model
-from jaxspec.model import causal_mask, execution_weights, forward
+from jaxspec.model import causal_mask, forward, unstack_layers
 
 
 def main() -> None:
@@ -24,12 +24,12 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--sizes", default="1,2,4,8,16,32")
     parser.add_argument("--cache", type=int, default=256, help="cache slots per row")
-    parser.add_argument("--stacked", action="store_true",
-                        help="scan the stacked layers instead of the layout generation runs on this backend")
+    parser.add_argument("--unstacked", action="store_true",
+                        help="on CPU, the layers as per-layer buffers (JAXSPEC_LAYERS=unstacked; jaxspec.model)")
     args = parser.parse_args()
     model = load_model(args.model, with_tokenizer=False)
     cfg = model.config
-    weights = model.weights if args.stacked else execution_weights(model.weights)
+    weights = unstack_layers(model.weights) if args.unstacked else model.weights
 
     def run(weights, n, t):  # n forwards of t tokens each
         cache = dataclasses.replace(init_cache(cfg, 1, args.cache), lengths=jnp.array([40], jnp.int32))

@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py                          # autoregressive, batch 1, 256 cache slots
     python benchmarks/profile_step.py --batch 16 --cache 1024
     python benchmarks/profile_step.py --method eagle3          # a speculative round: draft / verify / commit
-    python benchmarks/profile_step.py --stacked                # scan the stacked layers (the accelerator layout)
+    python benchmarks/profile_step.py --unstacked              # the layers as per-layer buffers (CPU)
     python benchmarks/profile_step.py --matmul                 # 30 chained 576 x 1536 products, stacked vs per layer
 
 Per-op durations come from the trace; each op is attributed to the phase named in the compiled HLO's op_name
@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxspec.generate import generate_tokens
 from jaxspec.loading import DEFAULT_MODEL, load_model
-from jaxspec.model import execution_weights
+from jaxspec.model import unstack_layers
 
 
 def _trace(run, steps: int) -> collections.Counter:
@@ -66,7 +66,7 @@ def _kind(op: str, scope: str) -> str:
 
 def profile_loop(args) -> None:
     target = load_model(args.model)
-    weights = target.weights if args.stacked else execution_weights(target.weights)
+    weights = unstack_layers(target.weights) if args.unstacked else target.weights
     cfg, b = target.config, args.batch
     tokens = jnp.zeros((b, 64), jnp.int32)  # [B, 64]
     lengths = jnp.full((b,), 40, jnp.int32)  # [B]
@@ -95,7 +95,7 @@ def profile_loop(args) -> None:
     for op, us in times.items():
         grouped[_kind(op, scopes.get(op, ""))] += us
     total = sum(grouped.values())
-    print(f"{args.method}, batch {b}, {args.cache} cache slots, {'stacked' if args.stacked else 'execution'} layout: "
+    print(f"{args.method}, batch {b}, {args.cache} cache slots, {'unstacked' if args.unstacked else 'stacked'} layers: "
           f"{seconds * 1e3 / rounds:.1f} ms per {'step' if args.method == 'autoregressive' else 'round'} "
           f"({rounds} of them)")
     for kind, us in grouped.most_common(args.top):
@@ -143,7 +143,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=256, help="cache slots per row")
     p.add_argument("--steps", type=int, default=33, help="new tokens")
-    p.add_argument("--stacked", action="store_true", help="scan the stacked layers (the accelerator layout)")
+    p.add_argument("--unstacked", action="store_true", help="the layers as per-layer buffers (see jaxspec.model)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--matmul", action="store_true", help="the matrix-product microbenchmark instead")
     args = p.parse_args()

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, execution_weights
+from jaxspec.model import LAYERS_ENV, Weights, execution_weights
 from jaxspec.tree import DraftTree, chain_parents
 from jaxspec.verification import verify_forward
 
@@ -143,7 +143,7 @@ def device_name(dtype=None) -> str:
     """The first device as platform-kind[-dtype], e.g. "gpu-NVIDIA H200-bfloat16" (dtype: the weights')."""
     device = jax.devices()[0]
     name = f"{device.platform}-{device.device_kind}"
-    if device.platform == "cpu":  # the layers run unstacked there (jaxspec.model.execution_weights)
+    if device.platform == "cpu" and os.environ.get(LAYERS_ENV) == "unstacked":  # jaxspec.model.execution_weights
         name += "-unstacked"
     return name if dtype is None else f"{name}-{jnp.dtype(dtype).name}"
 

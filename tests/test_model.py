@@ -195,3 +195,36 @@ def test_bfloat16_weights_run(tiny):
     assert agree > 0.8, agree
 
 
+
+
+def test_unstacked_layers_compute_the_stacked_forward(tiny_llama3, monkeypatch):
+    """The CPU layout (per-layer buffers, 2-4 rows as separate matrix-vector products) gives the scan's logits,
+    hidden states and cache entries for 1 to 15 rows x tokens (both sides of ROWWISE_MAX_ROWS), a layer range, and
+    the same greedy generation."""
+    import dataclasses
+
+    from jaxspec.model import LAYERS_ENV, execution_weights, unstack_layers
+
+    _, model, ref = tiny_llama3
+    w, cfg = model.weights, model.config
+    unstacked = unstack_layers(w)
+    assert isinstance(unstacked.layers, tuple) and len(unstacked.layers) == cfg.num_layers
+    run = jax.jit(forward, static_argnames=("cfg", "hidden_layers", "layer_range", "compute_logits"))
+    for b, t in ((1, 1), (1, 3), (2, 2), (3, 5)):
+        cache = dataclasses.replace(init_cache(cfg, b, 32), lengths=jnp.arange(3, 3 + b, dtype=jnp.int32))
+        tokens = (jnp.arange(b * t, dtype=jnp.int32).reshape(b, t) * 7 + 1) % cfg.vocab_size  # [B, T]
+        positions = cache.lengths[:, None] + jnp.arange(t)  # [B, T]
+        layers = (0, cfg.num_layers - 1)
+        a = run(w, cfg, tokens, positions, cache, causal_mask(b, t), hidden_layers=layers)
+        u = run(unstacked, cfg, tokens, positions, cache, causal_mask(b, t), hidden_layers=layers)
+        for x, y in ((a.logits, u.logits), (a.hidden, u.hidden), (a.cache.k, u.cache.k), (a.cache.v, u.cache.v)):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"B={b} T={t}")
+        part = run(unstacked, cfg, tokens, positions, cache, causal_mask(b, t), layer_range=(0, 1),
+                   compute_logits=False)
+        np.testing.assert_allclose(np.asarray(part.last_hidden), np.asarray(a.hidden[0]), rtol=1e-5, atol=1e-5)
+    prompts = [ref["input_ids"][0, :5].tolist(), ref["input_ids"][0, :9].tolist()]
+    plain = generate(w, cfg, prompts, max_new_tokens=6, eos_ids=())
+    assert execution_weights(w) is w  # stacked unless asked
+    monkeypatch.setenv(LAYERS_ENV, "unstacked")
+    assert isinstance(execution_weights(w).layers, tuple) == (jax.default_backend() == "cpu")
+    assert generate(w, cfg, prompts, max_new_tokens=6, eos_ids=()).token_ids == plain.token_ids

@@ -41,6 +41,9 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated target layers whose output to save at every token while generating "
                         "(e.g. 2,15,27,29 for EAGLE-3 on SmolLM2 plus the last layer for the target's logits); "
                         "training then reads them instead of running the target again")
+    p.add_argument("--layers", choices=("unstacked", "stacked"), default="unstacked",
+                   help="on CPU, run the target's layers as per-layer buffers (faster steps, longer compilation: the "
+                        "default for this long job) or as the stacked scan")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -59,6 +62,11 @@ def cmd_regenerate(args) -> dict:
         feature_layers = [int(x) for x in args.feature_layers.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--feature-layers takes comma-separated integers, got '{args.feature_layers}'.") from None
+    import os
+
+    from jaxspec.model import LAYERS_ENV
+
+    os.environ[LAYERS_ENV] = args.layers
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = load_sharegpt_prompts(limit=args.num_prompts)  # before the model: a missing package fails fast
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
