@@ -138,11 +138,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------- the runs
 
 
-def method_k(method: Method) -> int | None:
-    """Draft depth K per round (accepted tokens per round are at most K); None for autoregressive."""
+def method_k(method: Method, batch_size: int = 1) -> int | None:
+    """Draft depth K per round at this batch size (accepted tokens per round are at most K; --budget auto may choose
+    it per batch size); None for autoregressive."""
     if method.drafter is None or method.is_pipeline:
         return None
-    return int(getattr(method.drafter, "depth", None) or method.drafter.num_nodes)
+    drafter = method.drafter_for_batch(batch_size)
+    return int(getattr(drafter, "depth", None) or drafter.num_nodes)
 
 
 def method_nodes(method: Method, batch_size: int = 1) -> int | None:
@@ -175,13 +177,13 @@ def mesh_label(mesh) -> str:
 def _label(method: Method, batch_size: int = 1) -> str:
     """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3) or is a budget (DFlash,
     DDTree, JetSpec)."""
-    label = method_label(method.name, method_k(method), method_width(method))
+    label = method_label(method.name, method_k(method, batch_size), method_width(method))
     if method.is_pipeline:
         width = method.drafter.tree_width
         return f"{label} n={method.drafter.num_stages}" + (f" W={width}" if width > 1 else "")
     nodes = method_nodes(method, batch_size)
     budgeted = hasattr(method.drafter, "budget")  # DFlash / DDTree / JetSpec: always name the budget
-    if nodes is not None and (budgeted or nodes != method_k(method) * method_width(method)):
+    if nodes is not None and (budgeted or nodes != method_k(method, batch_size) * method_width(method)):
         label += f" N={nodes}"
     return label
 
@@ -244,7 +246,7 @@ def _finite(x: float | None) -> float | None:
 
 def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: str, temperature: float,
                batch_size: int, num_batches: int) -> dict:
-    k = method_k(method)
+    k = method_k(method, batch_size)
     new_tokens = sum(len(t) for t in run["token_ids"])
     tps = new_tokens / run["seconds"] if run["seconds"] > 0 else float("nan")
     row: dict[str, Any] = {
