@@ -211,13 +211,17 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
         drafter, params = load_learned_drafter(name, target, options.drafter, options)
         cost_model = tree_ranks = None
         auto = options.budget == "auto" or (dynamic_tree and not by_hand and options.mesh is None)
-        if auto and dynamic_tree and getattr(drafter, "choices", None) is None:
+        static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
+        if dynamic_tree and options.budget == "auto" and static_tree:
+            raise UserError(f"This {name} drafter drafts a fixed tree (its drafter.tree_choices); --budget auto sizes "
+                            "dynamic trees only.")
+        if auto and dynamic_tree and not static_tree:
             from jaxspec.budget import EAGLE_TOKEN_COUNTS, load_or_measure_cost_model
 
             # batch 1 now; other batch sizes when they are first used (Method.auto_tree)
             cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
             tree_ranks = measured_draft_ranks(target, drafter, params)
-        elif auto:
+        elif auto and name in PARALLEL_METHODS:
             from jaxspec.budget import load_or_measure_cost_model
 
             # token counts up to the largest auto budget + 1 (the root)
