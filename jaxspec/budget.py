@@ -5,7 +5,9 @@ Cost model: one target forward over a chain of T + 1 tokens (the root and T draf
 few calls after one compiling call). `CostModel.verify_seconds` interpolates that grid piecewise-linearly in
 (log batch, log tokens, log seconds). The grid is measured once per device, weights dtype and target (its
 fingerprint) and cached as JSON in $JAXSPEC_CACHE_DIR (default ~/.cache/jaxspec), file
-`cost-model-{device}-{fingerprint}.json`; delete that file, or pass another path, to measure again.
+`cost-model-{device}-{fingerprint}.json`; delete that file, or pass another path, to measure again. The grid may
+be sparse: a method that needs other shapes than the cached ones measures only the missing cells (each compiles a
+program, so re-measuring a whole union grid would cost minutes) and the file keeps them all.
 
 Choice rule: a round at budget B accepts tau(B) tokens per row on average and costs one verification forward of
 B + 1 tokens per row (plus drafting, if the caller knows its cost), so throughput(B) = batch * tau(B) / seconds(B).
@@ -53,47 +55,69 @@ class CostModel:
 
     device: where it was measured (platform, device kind, weights dtype); model: the target's fingerprint;
     batch_sizes: ascending; token_counts: tokens per row of one forward (T + 1), ascending, normally starting at 1;
-    seconds: [len(batch_sizes)][len(token_counts)]; context: committed tokens in the cache while timing (None when
-    unknown, e.g. a hand-made model).
+    seconds: [len(batch_sizes)][len(token_counts)], None where that cell was not measured (every batch size has at
+    least one measured cell); context: committed tokens in the cache while timing (None when unknown, e.g. a
+    hand-made model).
     """
 
     device: str
     model: str
     batch_sizes: list[int]
     token_counts: list[int]
-    seconds: list[list[float]]  # [len(batch_sizes), len(token_counts)]
+    seconds: list[list[float | None]]  # [len(batch_sizes), len(token_counts)]
     context: int | None = None
 
     def __post_init__(self):
         self.batch_sizes = [int(b) for b in self.batch_sizes]
         self.token_counts = [int(t) for t in self.token_counts]
-        self.seconds = [[float(s) for s in row] for row in self.seconds]
+        self.seconds = [[None if s is None else float(s) for s in row] for row in self.seconds]
         for name, grid in (("batch_sizes", self.batch_sizes), ("token_counts", self.token_counts)):
             if not grid or grid[0] < 1 or any(a >= b for a, b in zip(grid, grid[1:])):
                 raise UserError(f"A cost model's {name} must be positive and strictly ascending; got {grid}.")
         shape = (len(self.batch_sizes), len(self.token_counts))
         if len(self.seconds) != shape[0] or any(len(row) != shape[1] for row in self.seconds):
             raise UserError(f"A cost model's seconds must be a {shape[0]} x {shape[1]} grid (batch sizes x tokens).")
-        if not all(math.isfinite(s) and s > 0 for row in self.seconds for s in row):
-            raise UserError("A cost model's seconds must all be positive and finite.")
+        if not all(s is None or (math.isfinite(s) and s > 0) for row in self.seconds for s in row):
+            raise UserError("A cost model's seconds must all be positive and finite (or null: not measured).")
+        if any(all(s is None for s in row) for row in self.seconds):
+            raise UserError("Every batch size of a cost model needs at least one measured token count.")
 
     def verify_seconds(self, batch: int, tokens: int) -> float:
         """Seconds of one verification forward of `batch` rows x `tokens` tokens per row.
 
-        Piecewise-linear in (log batch, log tokens) -> log seconds over the grid: exact at grid points, a power law
-        between neighbours. Below the grid's first batch size or token count the edge value is kept; past the last
-        one the last segment's power law continues (never decreasing, so noise cannot make large shapes cheap).
+        Piecewise-linear in (log batch, log tokens) -> log seconds: each batch size's measured cells are
+        interpolated at `tokens`, then those values across batch sizes. Exact at measured cells, a power law between
+        neighbours. Below the first batch size or measured token count the edge value is kept; past the last one the
+        last segment's power law continues (never decreasing, so noise cannot make large shapes cheap).
         """
         if batch < 1 or tokens < 1:
             raise UserError(f"verify_seconds needs batch >= 1 and tokens >= 1; got batch={batch}, tokens={tokens}.")
-        log_tokens = [math.log(t) for t in self.token_counts]
-        per_batch = [_interpolate(log_tokens, [math.log(s) for s in row], math.log(tokens)) for row in self.seconds]
+        per_batch = []  # log seconds at `tokens`, one per batch size
+        for row in self.seconds:
+            cells = [(math.log(t), math.log(s)) for t, s in zip(self.token_counts, row) if s is not None]
+            per_batch.append(_interpolate([x for x, _ in cells], [y for _, y in cells], math.log(tokens)))
         log_batches = [math.log(b) for b in self.batch_sizes]
         return math.exp(_interpolate(log_batches, per_batch, math.log(batch)))
 
+    def measured(self) -> set[tuple[int, int]]:
+        """The (batch size, token count) cells that hold a measurement."""
+        return {(b, t) for b, row in zip(self.batch_sizes, self.seconds)
+                for t, s in zip(self.token_counts, row) if s is not None}
+
     def covers(self, batch_sizes: Sequence[int], token_counts: Sequence[int]) -> bool:
-        """Whether every requested batch size and token count was measured."""
-        return set(batch_sizes) <= set(self.batch_sizes) and set(token_counts) <= set(self.token_counts)
+        """Whether every requested (batch size, token count) cell was measured."""
+        return {(int(b), int(t)) for b in batch_sizes for t in token_counts} <= self.measured()
+
+    def merged(self, other: CostModel) -> CostModel:
+        """The cells of both models on the union grid (`other`'s where both measured one); same device and model."""
+        if (other.device, other.model, other.context) != (self.device, self.model, self.context):
+            raise UserError("Only cost models of one device, target and context can be merged.")
+        cells = {(b, t): s for m in (self, other) for b, row in zip(m.batch_sizes, m.seconds)
+                 for t, s in zip(m.token_counts, row) if s is not None}
+        batch_sizes = sorted(set(self.batch_sizes) | set(other.batch_sizes))
+        token_counts = sorted(set(self.token_counts) | set(other.token_counts))
+        return dataclasses.replace(self, batch_sizes=batch_sizes, token_counts=token_counts,
+                                   seconds=[[cells.get((b, t)) for t in token_counts] for b in batch_sizes])
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -165,6 +189,7 @@ def measure_cost_model(
     context: int = DEFAULT_CONTEXT,
     repeats: int = 3,
     progress: bool = True,
+    skip: frozenset[tuple[int, int]] = frozenset(),
 ) -> CostModel:
     """Times the target's verification forward on this device for every batch size x token count.
 
@@ -177,16 +202,18 @@ def measure_cost_model(
         context: committed tokens in the cache, the attention length the forward reads.
         repeats: timed calls per shape.
         progress: Show a tqdm bar on stderr.
+        skip: (batch size, token count) cells not to measure (already known): None in the result.
     """
-    batch_sizes = sorted(set(int(b) for b in batch_sizes))
     token_counts = sorted(set(int(t) for t in token_counts) | {1})
+    batch_sizes = sorted(b for b in set(int(b) for b in batch_sizes) if any((b, t) not in skip for t in token_counts))
     if not batch_sizes or batch_sizes[0] < 1 or token_counts[0] < 1:
         raise UserError(f"Batch sizes and token counts must be positive; got {batch_sizes} and {token_counts}.")
     if context < 0 or repeats < 1:
         raise UserError(f"The context must be >= 0 and repeats >= 1; got context={context}, repeats={repeats}.")
     weights, cfg = execution_weights(target.weights), target.config  # as the generation functions run them
     seconds = []  # [len(batch_sizes), len(token_counts)]
-    with tqdm(total=len(batch_sizes) * len(token_counts), desc="cost model", unit="shape", disable=not progress,
+    todo = sum((b, t) not in skip for b in batch_sizes for t in token_counts)
+    with tqdm(total=todo, desc="cost model", unit="shape", disable=not progress,
               file=sys.stderr) as bar:
         for b in batch_sizes:
             cache = init_cache(cfg, b, context + max(token_counts) + 1, weights.embed.dtype)
@@ -194,6 +221,9 @@ def measure_cost_model(
             root = jnp.zeros((b,), jnp.int32)  # [B]
             row = []
             for tokens in token_counts:
+                if (b, tokens) in skip:
+                    row.append(None)
+                    continue
                 num_nodes = tokens - 1
                 tree = DraftTree(
                     tokens=jnp.zeros((b, num_nodes), jnp.int32),  # [B, T]
@@ -233,9 +263,9 @@ def cost_model_path(target, device: str | None = None) -> str:
 def load_or_measure_cost_model(target, path: str | None = None, progress: bool = True, **measure_kwargs) -> CostModel:
     """The cached cost model of `target` on this device, measured (and cached) first when there is none.
 
-    A cached file is used when it was measured on this device for this target, covers the requested batch sizes and
-    token counts, and used the same context; otherwise (or when it cannot be read) the model is measured again and
-    the file rewritten.
+    A cached file is used when it was measured on this device for this target with the same context and covers the
+    requested batch sizes x token counts. When it lacks some of those cells, only they are measured and added to the
+    file; when it is of another device, target or context, or cannot be read, the model is measured afresh.
 
     Args:
         target: a `jaxspec.loading.LoadedModel`.
@@ -247,20 +277,23 @@ def load_or_measure_cost_model(target, path: str | None = None, progress: bool =
     batch_sizes = measure_kwargs.get("batch_sizes", DEFAULT_BATCH_SIZES)
     token_counts = set(measure_kwargs.get("token_counts", DEFAULT_TOKEN_COUNTS)) | {1}
     context = measure_kwargs.get("context", DEFAULT_CONTEXT)
+    cached = None
     if os.path.exists(path):
         try:
             cached = CostModel.load(path)
         except (OSError, ValueError, TypeError) as e:  # json and UserError are ValueErrors
             print(f"jaxspec: the cost model cache '{path}' is unreadable ({e}); measuring again.", file=sys.stderr)
         else:
-            same = (cached.device == device_name(target.weights.embed.dtype) and cached.model == target.fingerprint()
-                    and cached.context == context)
-            if same and cached.covers(batch_sizes, token_counts):
+            if (cached.device, cached.model, cached.context) != (device_name(target.weights.embed.dtype),
+                                                                 target.fingerprint(), context):
+                cached = None
+            elif cached.covers(batch_sizes, token_counts):
                 return cached
-            if same:  # measure the union, so methods that need other shapes do not keep re-measuring each other's
-                measure_kwargs = dict(measure_kwargs, batch_sizes=sorted(set(batch_sizes) | set(cached.batch_sizes)),
-                                      token_counts=sorted(token_counts | set(cached.token_counts)))
-    cost = measure_cost_model(target, progress=progress, **measure_kwargs)
+    # only the cells the cache lacks are measured; the file keeps what it held, so that methods needing other
+    # shapes do not keep re-measuring each other's
+    cost = measure_cost_model(target, progress=progress, skip=frozenset(cached.measured()) if cached else frozenset(),
+                              **measure_kwargs)
+    cost = cached.merged(cost) if cached else cost
     cost.save(path)
     print(f"jaxspec: verification cost model cached in {path} (delete it to measure again)", file=sys.stderr)
     return cost

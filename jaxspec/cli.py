@@ -228,7 +228,7 @@ def dtype_from_name(name: str):
 def cmd_generate(args) -> None:
     from jaxspec.generate import stream_generate
     from jaxspec.loading import load_model
-    from jaxspec.methods import MethodOptions, build_method
+    from jaxspec.methods import MethodOptions, build_method, check_method_options
     from jaxspec.metrics import tau
     from jaxspec.sampling import SamplingConfig
     from jaxspec.tokenizer import encode_prompt
@@ -241,6 +241,7 @@ def cmd_generate(args) -> None:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
     check_mesh_arg(args)
+    check_method_options(args.method, method_options(args))  # before the model is loaded
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model = load_model(args.model, dtype=dtype_from_name(args.dtype))
     if model.tokenizer is None:

@@ -179,15 +179,27 @@ def _splits(cfg, mesh) -> bool:
     return True
 
 
-def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
-    from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
-
+def check_method_options(name: str, options: MethodOptions) -> None:
+    """Refuses settings that cannot work for method `name` with a clear error; needs no model, so the CLI runs it
+    before loading one. (Checks that need the target or the drafter run when the method is built.)"""
     if name not in METHODS:
         raise UserError(f"Unknown method '{name}'; choose one of {', '.join(METHODS)}.")
     if name == "autoregressive":
-        return Method(name=name, drafter=None, params=None, target=target)
+        return
     if name in PIPELINE_METHODS:
-        return _pipeline_method(name, target, options)
+        for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-nodes", options.tree_nodes),
+                            ("--budget", options.budget), ("--exit-layer", options.exit_layer),
+                            ("--refresh-steps", options.refresh_steps)):
+            if value is not None:
+                raise UserError(f"{flag} does not apply to {name}: a pipeline drafts one token per step, with "
+                                "--tree-width W - 1 siblings (docs/spd.md); set --num-stages and --tree-width.")
+        if options.tree_width is not None and options.tree_width < 1:
+            raise UserError(f"--tree-width must be at least 1, got {options.tree_width}.")
+        if name == "ppsd" and options.drafter is not None:
+            raise UserError("ppsd drafts with the target's own first stage and LM head; it takes no --drafter.")
+        if options.stage_devices < 1:
+            raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
+        return
     if options.num_stages is not None or options.stage_devices != 1:
         raise UserError(f"--num-stages and --stage-devices are for the pipeline methods (ppsd, spd), not {name}.")
     if name in LEARNED_METHODS:
@@ -208,6 +220,38 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
         if dynamic_tree and options.budget == "auto" and by_hand:
             raise UserError(f"{name}: give either --budget auto or the tree by hand (--num-draft-tokens, --tree-width, "
                             "--tree-nodes), not both.")
+        return
+    k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
+    if k < 1:
+        raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
+    width = 1 if options.tree_width is None else options.tree_width
+    if options.tree_nodes is not None:
+        raise UserError(f"--tree-nodes is for the EAGLE dynamic trees (eagle2, eagle3), not {name}.")
+    if width < 1 or (name == "prompt-lookup" and width != 1):
+        raise UserError(
+            f"--tree-width {width} is not possible for {name}: use 1"
+            + (" (prompt lookup copies one continuation)." if name == "prompt-lookup" else " or more.")
+        )
+    if name == "prompt-lookup" and options.ngram < 1:
+        raise UserError(f"--ngram must be at least 1, got {options.ngram}.")
+    if name == "draft-model" and options.draft_model is None:
+        raise UserError(
+            "The draft-model method needs --draft-model (a known name, .gguf file or Hugging Face folder of a smaller "
+            "model with the target's tokenizer)."
+        )
+
+
+def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
+    from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
+
+    check_method_options(name, options)
+    if name == "autoregressive":
+        return Method(name=name, drafter=None, params=None, target=target)
+    if name in PIPELINE_METHODS:
+        return _pipeline_method(name, target, options)
+    if name in LEARNED_METHODS:
+        dynamic_tree = name in ("eagle2", "eagle3")
+        by_hand = (options.num_draft_tokens, options.tree_width, options.tree_nodes) != (None, None, None)
         drafter, params = load_learned_drafter(name, target, options.drafter, options)
         cost_model = tree_ranks = None
         auto = options.budget == "auto" or (dynamic_tree and not by_hand and options.mesh is None)
@@ -229,19 +273,8 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
         return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
                       tree_ranks=tree_ranks)
     k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
-    if k < 1:
-        raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
     width = 1 if options.tree_width is None else options.tree_width
-    if options.tree_nodes is not None:
-        raise UserError(f"--tree-nodes is for the EAGLE dynamic trees (eagle2, eagle3), not {name}.")
-    if width < 1 or (name == "prompt-lookup" and width != 1):
-        raise UserError(
-            f"--tree-width {width} is not possible for {name}: use 1"
-            + (" (prompt lookup copies one continuation)." if name == "prompt-lookup" else " or more.")
-        )
     if name == "prompt-lookup":
-        if options.ngram < 1:
-            raise UserError(f"--ngram must be at least 1, got {options.ngram}.")
         return Method(name=name, drafter=PromptLookupDrafter(depth=k, max_ngram=options.ngram), params=None,
                       target=target)
     if name == "early-exit":
@@ -250,11 +283,6 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
         drafter.check_compatible(None, target.config)
         return Method(name=name, drafter=drafter, params=None, target=target)
     # draft-model
-    if options.draft_model is None:
-        raise UserError(
-            "The draft-model method needs --draft-model (a known name, .gguf file or Hugging Face folder of a smaller "
-            "model with the target's tokenizer)."
-        )
     draft = load_model(options.draft_model, dtype=target.weights.embed.dtype)
     drafter = DraftModelDrafter(depth=k, tree_width=width, draft_cfg=draft.config)
     drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
@@ -266,19 +294,9 @@ def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> 
     from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, stage_mesh
     from jaxspec.sharding import replicate_on_mesh
 
-    for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-nodes", options.tree_nodes),
-                        ("--budget", options.budget), ("--exit-layer", options.exit_layer),
-                        ("--refresh-steps", options.refresh_steps)):
-        if value is not None:
-            raise UserError(f"{flag} does not apply to {name}: a pipeline drafts one token per step, with "
-                            "--tree-width W - 1 siblings (docs/spd.md); set --num-stages and --tree-width.")
     width = 1 if options.tree_width is None else options.tree_width
-    if width < 1:
-        raise UserError(f"--tree-width must be at least 1, got {width}.")
     cfg = target.config
     if name == "ppsd":
-        if options.drafter is not None:
-            raise UserError("ppsd drafts with the target's own first stage and LM head; it takes no --drafter.")
         n = options.num_stages
         if n is None:  # 5 when it divides the layers, else the smallest divisor >= 2
             divisors = [d for d in range(2, cfg.num_layers + 1) if cfg.num_layers % d == 0]
@@ -294,8 +312,6 @@ def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> 
         drafter.check_compatible(params, cfg)
     mesh = None
     if options.stage_devices != 1:
-        if options.stage_devices < 1:
-            raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
         mesh = stage_mesh(drafter.num_stages, options.stage_devices)
         # the weights and the drafter replicated on the mesh once, not at every generation
         weights, params = replicate_on_mesh(mesh, (target.weights, params))

@@ -55,6 +55,15 @@ def test_verify_seconds_is_exact_on_the_grid_log_linear_between_and_monotone():
     # a cost that falls past the grid's edge (noise) is held, never extrapolated downwards
     noisy = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=[1, 9], seconds=[[2.0, 1.0]])
     assert noisy.verify_seconds(1, 100) == pytest.approx(1.0)
+    # a sparse grid: each batch size is interpolated over its own measured cells only
+    sparse = CostModel(device="test", model="abc", batch_sizes=[1, 4], token_counts=[1, 3, 9],
+                       seconds=[[1.0, None, 4.0], [2.0, 3.0, None]])
+    assert sparse.verify_seconds(1, 3) == pytest.approx(2.0) and sparse.verify_seconds(4, 9) == pytest.approx(4.5)
+    assert sparse.covers([1], [1, 9]) and not sparse.covers([1], [3])
+    merged = sparse.merged(CostModel(device="test", model="abc", batch_sizes=[1], token_counts=[3], seconds=[[5.0]]))
+    assert merged.seconds == [[1.0, 5.0, 4.0], [2.0, 3.0, None]]
+    with pytest.raises(UserError, match="at least one measured"):
+        CostModel(device="test", model="abc", batch_sizes=[1, 4], token_counts=[1], seconds=[[1.0], [None]])
 
 
 def test_json_round_trip():
@@ -154,10 +163,13 @@ def test_measure_cache_reuse_and_corrupt_cache(tiny_llama3, tmp_path, monkeypatc
     again = load_or_measure_cost_model(model, progress=False, **grid)
     assert len(calls) == 1 and "unreadable" in capsys.readouterr().err
     assert again.token_counts == [1, 3] and json.load(open(path))["model"] == model.fingerprint()
-    # a grid the cache does not cover is measured, together with what the cache held (so that methods needing
-    # other shapes do not keep re-measuring each other's): the new file covers both
-    bigger = load_or_measure_cost_model(model, progress=False, **{**grid, "token_counts": (1, 5)})
-    assert len(calls) == 2 and bigger.token_counts == [1, 3, 5] and bigger.covers([1, 2], [1, 3, 5])
+    # cells the cache lacks are measured, and only they (each compiles a program); the file keeps both
+    bigger = load_or_measure_cost_model(model, progress=False, **{**grid, "batch_sizes": (2,), "token_counts": (1, 5)})
+    assert len(calls) == 2 and calls[1]["skip"] == {(1, 1), (1, 3), (2, 1), (2, 3)}
+    assert bigger.token_counts == [1, 3, 5] and bigger.covers([1, 2], [1, 3]) and bigger.covers([2], [5])
+    assert not bigger.covers([1], [5]) and bigger.seconds[0][2] is None
+    assert bigger.seconds[1][:2] == again.seconds[1] and CostModel.load(path) == bigger
+    assert bigger.verify_seconds(1, 5) > 0  # batch 1 interpolated over its own measured cells
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE tree shapes
