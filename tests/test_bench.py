@@ -179,7 +179,8 @@ def test_budget_sweep_builds_one_method_per_budget(tiny_llama3, tmp_path, monkey
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     tokens = sorted({1, 9, 17, 33, 65} | set(EAGLE_TOKEN_COUNTS))  # every shape asked for: nothing is measured
     CostModel(device=device_name(target.weights.embed.dtype), model=target.fingerprint(), batch_sizes=[1, 4, 16],
-              token_counts=tokens, seconds=[[1e-3] * len(tokens), [1e-3 * t for t in tokens], [1e-2 * t for t in tokens]],
+              token_counts=tokens, seconds=[[1e-3] * len(tokens), [1e-3 * t for t in tokens],
+                       [1e-2 * t for t in tokens]],
               context=256).save(cost_model_path(target))
     args = build_parser().parse_args(["bench", "--methods", "dflash=untrained,jetspec=untrained,eagle3=untrained",
                                       "--budget", "4,8,16,auto"])
