@@ -10,6 +10,7 @@ k key/value heads, g query heads per kv head, h head dim, f feed-forward width, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -258,6 +259,23 @@ _EXECUTION_WEIGHTS: dict[int, tuple[Weights, Weights]] = {}
 
 
 LAYERS_ENV = "JAXSPEC_LAYERS"  # "unstacked": run the layers as per-layer buffers on CPU (see `execution_weights`)
+
+
+@contextlib.contextmanager
+def layers_layout(layout: str):
+    """Runs the block with $JAXSPEC_LAYERS set to `layout` ("stacked" or "unstacked"), restoring what it was after
+    (a command that sets it must not change the layout of everything run later in the same process)."""
+    if layout not in ("stacked", "unstacked"):
+        raise ValueError(f"layout must be 'stacked' or 'unstacked', got {layout!r}")
+    before = os.environ.get(LAYERS_ENV)
+    os.environ[LAYERS_ENV] = layout
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LAYERS_ENV, None)
+        else:
+            os.environ[LAYERS_ENV] = before
 
 
 def execution_weights(weights: Weights, mesh=None) -> Weights:

@@ -27,6 +27,27 @@ def smollm2():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture
+def cli_smollm2(smollm2, monkeypatch):
+    """The session's SmolLM2, returned by `jaxspec.loading.load_model` when the CLI asks for the default model in
+    float32 (loading is tested in test_model and test_tokenizer; each CLI test would otherwise parse the GGUF
+    again); any other source or dtype loads as usual."""
+    import jax.numpy as jnp
+
+    from jaxspec import loading
+
+    real = loading.load_model
+
+    def load_model(name_or_path=loading.DEFAULT_MODEL, dtype=None, with_tokenizer=True):
+        same_dtype = dtype is None or jnp.dtype(dtype) == smollm2.weights.embed.dtype
+        if name_or_path == "smollm2-135m" and same_dtype and with_tokenizer:
+            return smollm2
+        return real(name_or_path, dtype=dtype, with_tokenizer=with_tokenizer)
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    return smollm2
+
+
 @pytest.fixture(scope="session")
 def smollm2_reference():
     return np.load(fixture_path("smollm2_reference.npz"))

@@ -259,9 +259,15 @@ def test_regenerate_command_on_smollm2(smollm2, tmp_path, monkeypatch):
     monkeypatch.setattr(jaxspec.loading, "load_model", lambda *a, **k: smollm2)  # loaded once per session
     parser = argparse.ArgumentParser()
     add_regenerate_parser(parser.add_subparsers(dest="command"))
+    # stacked layers: the per-layer layout (the command's default) compiles several times longer and is checked
+    # equal to the stacked forward in test_model
     args = parser.parse_args(["regenerate", "--out", str(tmp_path), "--num-prompts", "3", "--max-new-tokens", "4",
-                              "--batch-size", "2", "--shard-size", "2", "--no-progress"])
+                              "--batch-size", "2", "--shard-size", "2", "--no-progress", "--layers", "stacked"])
+    from jaxspec.model import LAYERS_ENV
+
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
     manifest = cmd_regenerate(args)
+    assert LAYERS_ENV not in os.environ  # --layers holds for the command only, not for what runs after it
     assert manifest["complete"] and manifest["tokenizer"]["vocab_size"] == 49152
     data = RegeneratedDataset(str(tmp_path))
     data.check_target(smollm2)

