@@ -79,7 +79,7 @@ def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_size", "sampling", "eos_ids", "mesh",
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_size", "eos_ids", "mesh",
                                              "hidden_layers", "hidden_dtype"))
 def generate_tokens(
     weights: Weights,
@@ -152,7 +152,7 @@ def generate_tokens(
 
 _prefill_jit = jax.jit(prefill, static_argnames=("cfg",), donate_argnames=("cache",))
 _decode_step_jit = jax.jit(decode_step, static_argnames=("cfg",), donate_argnames=("cache",))
-_sample_jit = jax.jit(sample_token, static_argnames=("sampling",))
+_sample_jit = jax.jit(sample_token)
 
 
 # ---------------------------------------------------------------------------------------------- host side

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -264,7 +265,9 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
 
             # batch 1 now; other batch sizes when they are first used (Method.auto_tree)
             cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
-            tree_ranks = measured_draft_ranks(target, drafter, params)
+            folder = options.drafter if options.drafter != "untrained" else None
+            folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
+            tree_ranks = measured_draft_ranks(target, drafter, params, folder)
         elif auto and name in PARALLEL_METHODS:
             from jaxspec.budget import load_or_measure_cost_model
 
@@ -485,18 +488,40 @@ CALIBRATION_TOKENS = 96
 CALIBRATION_DEPTH = 6  # the deepest tree shape measured (jaxspec.budget.TREE_SHAPES)
 
 
-def measured_draft_ranks(target: LoadedModel, drafter, params) -> Any:
+DRAFT_RANKS_FILE = "draft-ranks.npz"  # in a drafter folder: its measured ranks (see `save_draft_ranks`)
+
+
+def _calibration_digest() -> str:
+    """What the measured ranks depend on besides the head and the target: the prompts, tokens and depth."""
+    import hashlib
+
+    text = json.dumps([CALIBRATION_PROMPTS, CALIBRATION_TOKENS, CALIBRATION_DEPTH])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | None = None) -> Any:
     """int[P, CALIBRATION_DEPTH]: an EAGLE head's ranks of the target's tokens along the target's own greedy answers
-    to CALIBRATION_PROMPTS (`jaxspec.drafters.eagle.draft_ranks`), cached in $JAXSPEC_CACHE_DIR per head and target."""
+    to CALIBRATION_PROMPTS (`jaxspec.drafters.eagle.draft_ranks`).
+
+    Read from the drafter's folder when it holds them for this target (`save_draft_ranks`; the shipped drafter
+    does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the calibration
+    prompts and one teacher-forced pass of the head) and cached there."""
     import hashlib
 
     import jax
     import numpy as np
 
     from jaxspec.budget import cost_model_path
-    from jaxspec.drafters.eagle import draft_ranks
-    from jaxspec.tokenizer import encode_prompt
 
+    stored = os.path.join(folder, DRAFT_RANKS_FILE) if folder else None
+    if stored and os.path.isfile(stored):
+        try:
+            with np.load(stored) as f:
+                same = str(f["target"]) == target.fingerprint() and str(f["calibration"]) == _calibration_digest()
+                if same and f["ranks"].ndim == 2 and f["ranks"].shape[1] == CALIBRATION_DEPTH:
+                    return f["ranks"]
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable or of another target: measured below
     digest = hashlib.sha256(target.fingerprint().encode())
     for leaf in jax.tree.leaves(params):
         digest.update(np.asarray(leaf).tobytes())
@@ -506,6 +531,29 @@ def measured_draft_ranks(target: LoadedModel, drafter, params) -> Any:
             return np.load(path)
         except (OSError, ValueError):
             pass
+    ranks = _measure_draft_ranks(target, drafter, params)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.save(path, ranks)
+    return ranks
+
+
+def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
+    """Measures an EAGLE head's ranks on the calibration prompts and stores them in its drafter folder, so that
+    --budget auto needs no calibration run on first use. Returns the file's path."""
+    import numpy as np
+
+    path = os.path.join(folder, DRAFT_RANKS_FILE)
+    ranks = _measure_draft_ranks(target, drafter, params)
+    np.savez(path, ranks=ranks, target=target.fingerprint(), calibration=_calibration_digest())
+    return path
+
+
+def _measure_draft_ranks(target: LoadedModel, drafter, params):
+    import numpy as np
+
+    from jaxspec.drafters.eagle import draft_ranks
+    from jaxspec.tokenizer import encode_prompt
+
     if target.tokenizer is not None:
         prompts = [encode_prompt(target.tokenizer, p) for p in CALIBRATION_PROMPTS]
     else:  # no tokenizer (a bare checkpoint): the target's own continuations of fixed random token prompts
@@ -516,8 +564,5 @@ def measured_draft_ranks(target: LoadedModel, drafter, params) -> Any:
     tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]
     for row, (p, a) in enumerate(zip(prompts, answers)):
         tokens[row, : lengths[row]] = p + a
-    ranks = draft_ranks(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
-                        np.array([len(p) for p in prompts]), CALIBRATION_DEPTH)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.save(path, ranks)
-    return ranks
+    return draft_ranks(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
+                       np.array([len(p) for p in prompts]), CALIBRATION_DEPTH)

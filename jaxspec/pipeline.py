@@ -296,7 +296,7 @@ class EarlyExitPipelineDrafter(PipelineDrafter):
 # ---------------------------------------------------------------------------------------------- decoding
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "sampling", "eos_ids",
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "eos_ids",
                                              "mesh"))
 def pipeline_generate_tokens(
     weights: Weights,

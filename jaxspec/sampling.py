@@ -15,11 +15,14 @@ import jax.numpy as jnp
 from jaxspec.errors import UserError
 
 
+@jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """How tokens are chosen (static: one compilation per setting). temperature 0 = greedy.
+    """How tokens are chosen. temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters.
 
-    top_k 0 and top_p 1.0 disable those filters.
+    A pytree, passed to the jitted loops as an ordinary argument: its structure (greedy or not, the top-k size, top-p
+    on or off) is static and compiles once per kind, while the temperature and top-p values are traced, so a sweep
+    over temperatures or top-p values reuses one compiled loop.
     """
 
     temperature: float = 0.0
@@ -33,10 +36,27 @@ class SamplingConfig:
             raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
             raise UserError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}.")
+        object.__setattr__(self, "_structure", (self.temperature == 0.0, int(self.top_k), self.top_p < 1.0))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self._structure[0]
+
+    @property
+    def filters_top_p(self) -> bool:
+        """Whether the top-p filter is on (static, also when top_p itself is traced)."""
+        return self._structure[2]
+
+    def tree_flatten(self):
+        return (self.temperature, self.top_p), self._structure
+
+    @classmethod
+    def tree_unflatten(cls, structure, values):
+        config = object.__new__(cls)  # no validation: the values may be tracers; they were checked when created
+        for name, value in (("temperature", values[0]), ("top_k", structure[1]), ("top_p", values[1]),
+                            ("_structure", structure)):
+            object.__setattr__(config, name, value)
+        return config
 
 
 GREEDY = SamplingConfig()
@@ -92,7 +112,7 @@ def _sortable(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _top_p_cutoff(logits: jax.Array, top_p: float, vocab_axis: str | None) -> jax.Array:
+def _top_p_cutoff(logits: jax.Array, top_p: float | jax.Array, vocab_axis: str | None) -> jax.Array:
     """The smallest key c such that the tokens with keys > c hold less than top_p of the mass: the kept set
     {key >= c} is the smallest prefix (in descending order) whose mass reaches top_p, ties kept together.
 
@@ -139,7 +159,7 @@ def process_logits(logits: jax.Array, sampling: SamplingConfig, vocab_axis: str 
             local_top = jax.lax.all_gather(local_top, vocab_axis, axis=-1, tiled=True)
         kth = jax.lax.top_k(local_top, sampling.top_k)[0][..., -1:]  # [..., 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p < 1.0:
+    if sampling.filters_top_p:
         cutoff = _top_p_cutoff(logits, sampling.top_p, vocab_axis)  # [..., 1]
         logits = jnp.where(_sortable(logits) < cutoff, -jnp.inf, logits)
     top = vocab_max(jnp.max(logits, axis=-1, keepdims=True), vocab_axis)

@@ -33,7 +33,7 @@ def _write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.
     return jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(buffer, block, offsets)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "sampling", "eos_ids",
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "max_new_tokens", "cache_size", "eos_ids",
                                              "mesh"))
 def speculative_generate_tokens(
     weights: Weights,

@@ -137,6 +137,9 @@ def test_shipped_eagle3_drafter_reproduces_transformers_greedy(cli_smollm2, smol
     assert folder is not None and read_drafter_meta(folder)["target"]["fingerprint"] == smollm2.fingerprint()
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     assert size <= 20e6
+    from jaxspec.methods import DRAFT_RANKS_FILE
+
+    assert os.path.isfile(os.path.join(folder, DRAFT_RANKS_FILE))  # --budget auto needs no calibration run
     ref = smollm2_reference
     prompts = json.loads(str(ref["prompts"]))[:2]
     path = tmp_path / "prompts.jsonl"

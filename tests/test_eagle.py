@@ -79,7 +79,10 @@ def test_untrained_methods_from_the_registry_equal_autoregressive(tiny_llama3, n
 
     _, model, ref = tiny_llama3
     assert name in METHODS and name in LEARNED_METHODS
-    method = build_method(name, model, MethodOptions(drafter="untrained"))
+    # eagle3 with the registry's defaults (--budget auto: the tree shape from a measured cost model and the head's
+    # measured ranks); eagle2 with a tree by hand (the auto path is the same code)
+    hand = dict(num_draft_tokens=3, tree_width=2, tree_nodes=5) if name == "eagle2" else {}
+    method = build_method(name, model, MethodOptions(drafter="untrained", **hand))
     drafter = method.drafter
     if name == "eagle3":  # fused low/mid/high layers, reduced vocabulary (all 256 here), dynamic tree
         assert drafter.target_layers == (0, 1, 2) and drafter.choices is None
@@ -389,7 +392,9 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
                                  jnp.asarray(batch["loss_mask"]), steps=3)[0])
 
     assert fixed_loss(params) < fixed_loss(fresh)
-    method = build_method("eagle3", target, MethodOptions(drafter=summary["drafter"]))
+    # the tree by hand (the auto path is checked in test_untrained_methods_from_the_registry_equal_autoregressive)
+    method = build_method("eagle3", target, MethodOptions(drafter=summary["drafter"], num_draft_tokens=3,
+                                                          tree_width=2, tree_nodes=5))
     assert method.drafter.target_layers == layers and method.drafter.num_nodes == 5
     prompts = [[5, 9, 33, 2], list(range(40, 58))]
     expected = generate(target.weights, target.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
@@ -455,8 +460,8 @@ def test_eagle1_training_regresses_features_with_the_target_lm_head_frozen(tiny_
     assert regression_error(params) < 0.9 * regression_error(fresh)
     prompts = [[5, 9, 33, 2], list(range(40, 58))]
     expected = generate(target.weights, target.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
-    for name in ("eagle", "eagle2"):
-        method = build_method(name, target, MethodOptions(drafter=summary["drafter"]))
+    for name, hand in (("eagle", {}), ("eagle2", dict(num_draft_tokens=3, tree_width=2, tree_nodes=5))):
+        method = build_method(name, target, MethodOptions(drafter=summary["drafter"], **hand))
         assert method.drafter.target_layers == (2,)
         assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
     with pytest.raises(UserError, match="'eagle' drafter, not 'eagle3'"):
@@ -478,6 +483,27 @@ def test_tree_options_for_the_eagle_methods(tiny_llama3):
         build_method("eagle", model, MethodOptions(drafter="untrained", tree_nodes=8))
     with pytest.raises(UserError, match="--tree-nodes"):
         build_method("prompt-lookup", model, MethodOptions(tree_nodes=8))
+
+
+def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeypatch):
+    """A drafter folder's draft-ranks.npz (scripts/calibrate_drafter.py) is read instead of measuring when it was
+    made for this target with these calibration settings; of another target it is ignored and the ranks measured."""
+    from jaxspec import methods
+
+    _, model, _ = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    measured = np.full((3, methods.CALIBRATION_DEPTH), 7)  # [P, D]
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: measured)
+    stored = np.arange(2 * methods.CALIBRATION_DEPTH).reshape(2, -1)  # [P, D]
+    path = tmp_path / methods.DRAFT_RANKS_FILE
+    np.savez(path, ranks=stored, target=model.fingerprint(), calibration=methods._calibration_digest())
+    params = {"w": np.zeros(3)}
+    assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == stored.tolist()
+    np.savez(path, ranks=stored, target="another target", calibration=methods._calibration_digest())
+    assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == measured.tolist()
+    assert methods.save_draft_ranks(str(tmp_path), model, None, params) == str(path)  # writes `measured`
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: measured + 1)
+    assert methods.measured_draft_ranks(model, None, {"w": np.ones(3)}, str(tmp_path)).tolist() == measured.tolist()
 
 
 def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):

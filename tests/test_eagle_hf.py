@@ -386,7 +386,8 @@ def test_export_cli_and_loading_both_formats_as_drafter(tiny_llama3, tmp_path, c
     expected = generate(model.weights, model.config, prompts, max_new_tokens=16, eos_ids=()).token_ids
     results = []
     for folder in ("bf16", "hf"):
-        method = build_method("eagle3", model, MethodOptions(drafter=str(tmp_path / folder)))
+        method = build_method("eagle3", model, MethodOptions(drafter=str(tmp_path / folder), num_draft_tokens=3,
+                                                             tree_width=2, tree_nodes=5))
         result = method.generate(prompts, max_new_tokens=16, eos_ids=())
         assert result.token_ids == expected
         results.append(result.accepted)

@@ -71,6 +71,24 @@ def test_no_recompilation_across_prompts_and_steps(tiny_llama3):
     assert generate_tokens._cache_size() == before
 
 
+def test_one_compilation_per_kind_of_sampling(tiny_llama3):
+    """Temperature and top-p values are traced: a sweep over them reuses one compiled loop (greedy, top-k size and
+    top-p on/off are the structure), and each value still means what it says (a different distribution)."""
+    _, model, ref = tiny_llama3
+    prompt = [ref["input_ids"][0, :7].tolist()]
+
+    def run(**kw):
+        return generate(model.weights, model.config, prompt, max_new_tokens=9, eos_ids=(), seed=3,
+                        sampling=SamplingConfig(**kw)).token_ids
+
+    run(temperature=0.7, top_p=0.9)
+    before = generate_tokens._cache_size()
+    hot, cold = run(temperature=5.0, top_p=0.95), run(temperature=1e-3, top_p=0.9)
+    assert generate_tokens._cache_size() == before
+    greedy = generate(model.weights, model.config, prompt, max_new_tokens=9, eos_ids=()).token_ids
+    assert cold == greedy and hot != greedy  # near-zero temperature is the argmax; a hot one is not
+
+
 def test_generation_pads_after_eos_and_counts(tiny_llama3):
     _, model, ref = tiny_llama3
     batch = pad_prompts(_prompts(ref), 8, model.config)
