@@ -8,6 +8,7 @@ continuation up to a fixed horizon must give exactly the target's distribution o
 A deliberately broken rule (resampling the bonus from p instead of the residual) must fail the same check.
 """
 
+import functools
 import itertools
 
 import jax
@@ -45,11 +46,30 @@ SAMPLINGS = [
 ]
 
 
+# The model parts run jitted (one compilation per shape, shared by every case); run eagerly, each call compiled its
+# operations one by one. The acceptance rule is jitted afresh per call (`_block_distribution`), so that a rule
+# broken by monkeypatch in a test below is traced again, never served from a cache.
+@jax.jit
+def _probs_jit(weights, ids, sampling):
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)  # [N, len]
+    return target_probs(forward(weights, CFG, ids, positions).logits, sampling)  # [N, len, V]
+
+
 def _probs(weights, sequences, sampling):
     """Processed next-token distributions after every prefix: float64[N, len, V]."""
-    ids = jnp.asarray(sequences, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    return np.asarray(target_probs(forward(weights, CFG, ids, positions).logits, sampling), np.float64)
+    return np.asarray(_probs_jit(weights, jnp.asarray(sequences, jnp.int32), sampling), np.float64)
+
+
+@jax.jit
+def _node_probs_jit(tokens, parents, sampling):
+    """The target's p at the root and every node of each row's tree after CONTEXT: [N, T + 1, V]."""
+    n, t = tokens.shape
+    cache = init_cache(CFG, n, 16)
+    ctx = jnp.asarray([CONTEXT[:-1]] * n, jnp.int32)  # [N, 3]
+    _, _, cache = prefill(TARGET, CFG, ctx, jnp.full((n,), len(CONTEXT) - 1, jnp.int32), cache)
+    tree = DraftTree(tokens=tokens, parents=parents, valid=jnp.ones((n, t), bool))
+    logits = verification.verify_forward(TARGET, CFG, cache, jnp.full((n,), CONTEXT[-1], jnp.int32), tree).logits
+    return target_probs(logits, sampling)
 
 
 def _target_sequence_table(horizon, sampling):
@@ -119,21 +139,23 @@ def _cells(points):
     return (edges[:-1] + edges[1:]) / 2, np.diff(edges)
 
 
+def _bucket(n: int) -> int:
+    """n rounded up to a power of two (at least 8): the eager ops below compile once per shape, so padded row counts
+    let the cases share their compilations."""
+    return max(8, 1 << (n - 1).bit_length())
+
+
 def _block_distribution(parents, kinds, sampling, outcomes=None):
     """Exact distribution of the emitted block (accepted drafts + bonus) of one round: {tuple: prob}.
     outcomes: the possible drafts as (tokens, q rows or None, probability); default: enumerated from the draft model."""
     outcomes = _draft_outcomes(parents, kinds, sampling) if outcomes is None else outcomes
     t = len(parents)
-    n = len(outcomes)
+    n = _bucket(len(outcomes))  # rows padded with copies of the first outcome (their results unused)
     # the target's distributions at the root and every node, by one verification forward per outcome
-    cache = init_cache(CFG, n, 16)
-    ctx = jnp.asarray([CONTEXT[:-1]] * n, jnp.int32)
-    _, _, cache = prefill(TARGET, CFG, ctx, jnp.full((n,), len(CONTEXT) - 1, jnp.int32), cache)
-    tree = DraftTree(tokens=jnp.asarray(np.stack([o[0] for o in outcomes]), jnp.int32),
-                     parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (n, t)),
-                     valid=jnp.ones((n, t), bool))
-    logits = verification.verify_forward(TARGET, CFG, cache, jnp.full((n,), CONTEXT[-1], jnp.int32), tree).logits
-    p_all = np.asarray(target_probs(logits, sampling), np.float64)
+    drafted = [o[0] for o in outcomes]
+    tokens = jnp.asarray(np.stack(drafted + drafted[:1] * (n - len(drafted))), jnp.int32)  # [n, T]
+    parents_n = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (n, t))  # [n, T]
+    p_all = np.asarray(_node_probs_jit(tokens, parents_n, sampling), np.float64)[: len(outcomes)]
 
     rows, weights, row_outcome = [], [], []
     for k, ((tokens, q, prob), p) in enumerate(zip(outcomes, p_all)):
@@ -145,6 +167,10 @@ def _block_distribution(parents, kinds, sampling, outcomes=None):
             rows.append((tokens, q, point))
             weights.append(prob * volume)
             row_outcome.append(k)
+    real = len(rows)
+    rows += rows[:1] * (_bucket(real) - real)  # padding rows of weight 0: few distinct shapes for the eager ops
+    weights += [0.0] * (len(rows) - real)
+    row_outcome += row_outcome[:1] * (len(rows) - real)
     m = len(rows)
     batch = DraftTree(
         tokens=jnp.asarray(np.stack([r[0] for r in rows]), jnp.int32),
@@ -153,8 +179,9 @@ def _block_distribution(parents, kinds, sampling, outcomes=None):
         draft_probs=None if rows[0][1] is None else jnp.asarray(np.stack([r[1] for r in rows]), jnp.float32),
     )
     points = np.array([r[2] for r in rows], np.float32)
-    acc = verification.accept(batch, jnp.asarray(p_all[row_outcome], jnp.float32), jnp.asarray(points[:, :t]),
-                              jnp.asarray(points[:, t]))
+    rule = jax.jit(lambda *args: verification.accept(*args))  # a new function: traced with the rule as it is now
+    acc = rule(batch, jnp.asarray(p_all[row_outcome], jnp.float32), jnp.asarray(points[:, :t]),
+               jnp.asarray(points[:, t]))
     blocks = {}
     for tokens, count, w in zip(np.asarray(acc.tokens), np.asarray(acc.num_accepted), weights):
         key = tuple(int(x) for x in tokens[: count + 1])
@@ -198,6 +225,7 @@ def test_speculative_round_reproduces_the_target_distribution_exactly(name, pare
     assert _check(parents, kinds, sampling) < 2e-6
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _first_round_tree(drafter, params, sampling):
     """The tree a drafter proposes in its first round after CONTEXT (the target prefilled on CONTEXT[:-1], the root
     CONTEXT[-1])."""

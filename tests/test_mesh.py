@@ -5,7 +5,7 @@ in a fresh process with 8 fake CPU devices (the flag must be set before JAX star
 method on one device and on the meshes, and prints one JSON line that the tests below assert on.
 
 The target is a tiny random Qwen2 (8 query and 8 key/value heads, f=128, V=256) so that every mesh of 8 devices
-(8x1, 4x2, 2x4, 1x8) splits it. Its draft model is the target with small noise added to every weight: a drafter
+(8x1, 2x4, 1x8 and others) splits it. Its draft model is the target with small noise added to every weight: a drafter
 that is right most of the time but not always, so rows accept different numbers of tokens in a round.
 """
 
@@ -25,7 +25,7 @@ from jaxspec.errors import UserError
 from jaxspec.sharding import parse_mesh
 
 NUM_FAKE_DEVICES = 8
-MESHES = ("8x1", "4x2", "2x4", "1x8")  # data x model
+MESHES = ("8x1", "2x4", "1x8")  # data x model: rows only, both axes, heads and vocabulary only
 # ragged prompts: 8 rows of different lengths (one of a single token)
 PROMPT_LENGTHS = (16, 5, 9, 1, 12, 14, 3, 7)
 MAX_NEW_TOKENS = 12
