@@ -426,13 +426,16 @@ def run_bench(
         out["peers"] = {"skipped": "not requested (--no-peers)"}
     else:
         try:
-            import torch  # noqa: F401  (optional: a peer, never a dependency)
-            import transformers  # noqa: F401
+            peers_script = _load_peers_script()
         except ImportError as e:
             out["peers"] = {"skipped": f"torch/transformers not importable ({e}); pip install torch==2.13.0 accelerate"}
         else:
-            peer_rows, info = run_peers(target, prompt_sets, max_new_tokens=max_new_tokens, eos_ids=out["eos_ids"],
-                                        prompt_lookup_ks=peer_prompt_lookup_ks, ngram=ngram, progress=progress)
+            if peers_script is None:
+                out["peers"] = {"skipped": f"{PEERS_SCRIPT} not found (it comes with a source checkout)"}
+                return out
+            peer_rows, info = peers_script.run_peers(target, prompt_sets, max_new_tokens=max_new_tokens,
+                                                     eos_ids=out["eos_ids"], prompt_lookup_ks=peer_prompt_lookup_ks,
+                                                     ngram=ngram, progress=progress)
             _attach_peer_speedups(peer_rows, results)
             out["peers"] = info
             results.extend(peer_rows)
@@ -441,89 +444,20 @@ def run_bench(
 
 # ---------------------------------------------------------------------------------------------- peers
 
+PEERS_SCRIPT = "benchmarks/peers.py"  # transformers' generate timed beside jaxspec (torch is imported there only)
 
-def run_peers(target: LoadedModel, prompt_sets: Mapping[str, Sequence[Sequence[int]]], *, max_new_tokens: int,
-              eos_ids: Sequence[int], prompt_lookup_ks: Sequence[int], ngram: int = 3,
-              threads: int = PEER_THREADS, progress: bool = True) -> tuple[list[dict], dict]:
-    """Times transformers' greedy `generate` and its prompt lookup at batch 1 on the same token-id prompts.
 
-    torch is imported here only. The model is `target.source` loaded in float32: a GGUF file through
-    `from_pretrained(folder, gguf_file=name)`, or a Hugging Face folder.
+def _load_peers_script():
+    """The peers script of a source checkout as a module, or None when absent; ImportError without torch."""
+    import importlib.util
 
-    Args:
-        target: The jaxspec target (only `source` is used).
-        prompt_sets: Set name -> token-id prompts.
-        max_new_tokens: New tokens per prompt at most.
-        eos_ids: Stop tokens (empty: the model's generation config decides).
-        prompt_lookup_ks: `prompt_lookup_num_tokens` values to run.
-        ngram: `max_matching_ngram_size` of the prompt lookup.
-        threads: torch threads.
-        progress: Show a tqdm progress bar.
-
-    Returns:
-        (rows shaped like `run_bench` rows with method "hf-generate" / "hf-prompt-lookup", info dict).
-    """
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    source = target.source
-    if os.path.isdir(source):
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(source), gguf_file=os.path.basename(source),
-                                                     dtype=torch.float32)
-    model.eval()
-    eos = [int(e) for e in eos_ids]
-    pad = eos[0] if eos else 0
-    variants = [("hf-generate", None)] + [("hf-prompt-lookup", int(k)) for k in dict.fromkeys(prompt_lookup_ks)]
-
-    def generate(ids: Sequence[int], k: int | None) -> tuple[list[int], float]:
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)  # [1, P]
-        kwargs = {"attention_mask": torch.ones_like(input_ids), "max_new_tokens": max_new_tokens,
-                  "do_sample": False, "temperature": None, "top_p": None, "top_k": None, "pad_token_id": pad}
-        if eos:
-            kwargs["eos_token_id"] = eos
-        if k is not None:
-            kwargs.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=ngram)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(input_ids, **kwargs)  # [1, P + new]
-        return out[0, len(ids):].tolist(), time.perf_counter() - start
-
-    rows = []
-    warmed: set = set()
-    total = len(prompt_sets) * len(variants)
-    with tqdm(total=total, desc="peers", unit="run", disable=not progress, file=sys.stderr) as bar:
-        for set_name, prompts in prompt_sets.items():
-            for name, k in variants:
-                bar.set_postfix_str(f"{method_label(name, k)} | {set_name}")
-                warmup = 0.0
-                if (name, k) not in warmed:
-                    warmup = generate(prompts[0], k)[1]
-                    warmed.add((name, k))
-                token_ids, seconds = [], 0.0
-                for ids in prompts:
-                    tokens, s = generate(ids, k)
-                    token_ids.append(tokens)
-                    seconds += s
-                new_tokens = sum(len(t) for t in token_ids)
-                rows.append({
-                    "method": name, "num_draft_tokens": k, "label": method_label(name, k), "prompt_set": set_name,
-                    "temperature": 0.0, "batch_size": 1, "num_prompts": len(prompts), "num_batches": len(prompts),
-                    "tree_width": None, "new_tokens": new_tokens, "seconds": seconds, "warmup_seconds": warmup,
-                    "tokens_per_second": _finite(new_tokens / seconds if seconds > 0 else float("nan")),
-                    "speedup": None, "tau": None, "rounds": None, "acceptance_by_position": None,
-                    "accepted_length_histogram": None, "matches_autoregressive": None, "mismatched_prompts": [],
-                    "token_ids": token_ids, "peer": True,
-                })
-                bar.update()
-    info = {"ran": [method_label(n, k) for n, k in variants], "torch_version": torch.__version__,
-            "transformers_version": transformers.__version__, "torch_threads": threads, "source": source,
-            "dtype": "float32", "batch_size": 1, "temperature": 0.0,
-            "speedup": "tokens/s relative to jaxspec autoregressive on the same set at T=0, batch 1"}
-    return rows, info
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PEERS_SCRIPT)
+    if not os.path.isfile(path):
+        return None
+    spec = importlib.util.spec_from_file_location("jaxspec_bench_peers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _attach_peer_speedups(peer_rows: list[dict], results: list[dict]) -> None:
