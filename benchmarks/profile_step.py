@@ -5,6 +5,7 @@
     python benchmarks/profile_step.py --method eagle3          # a speculative round: draft / verify / commit
     python benchmarks/profile_step.py --unstacked              # the layers as per-layer buffers (CPU)
     python benchmarks/profile_step.py --matmul                 # 30 chained 576 x 1536 products, stacked vs per layer
+    python benchmarks/profile_step.py --attention              # attention over the cache: two product orientations
 
 Per-op durations come from the trace; each op is attributed to the phase named in the compiled HLO's op_name
 (the loop's `jax.named_scope`s: draft, verify, commit). Ops of the two cores overlap, so the shares are what to
@@ -136,6 +137,50 @@ def profile_matmul(_args) -> None:
                                        for name, (f, w) in fs.items()))
 
 
+def profile_attention(_args) -> None:
+    """30 layers of attention over the cache (SmolLM2's shapes: 3 key/value heads of 64, 3 queries per head) with the
+    cache as the left operand of the scores (the old orientation) and with the query left (jaxspec.model's now)."""
+    def best(f, *a, n=5):
+        jax.block_until_ready(f(*a))
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(n):
+                out = f(*a)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - start) / n)
+        return min(times) * 1e3
+
+    def layers(orientation):
+        def run(cache_k, cache_v, q, lengths):  # cache_*: L x [B, k, S, h]; q: [B, T, k, g, h]; lengths: [B]
+            x = jnp.zeros_like(q)
+            s = cache_k[0].shape[2]
+            for k, v in zip(cache_k, cache_v):
+                if orientation == "cache left":
+                    scores = jnp.einsum("bksh,btkgh->bktgs", k, q + x).transpose(0, 1, 3, 2, 4)  # [B, k, g, T, S]
+                else:
+                    scores = jnp.einsum("btkgh,bksh->bkgts", q + x, k)  # [B, k, g, T, S]
+                visible = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+                probs = jax.nn.softmax(jnp.where(visible[:, None, None, None, :], scores, -1e30), axis=-1)
+                if orientation == "cache left":
+                    out = jnp.einsum("bkgts,bksh->btkgh", probs, v)  # [B, T, k, g, h]
+                else:
+                    out = jnp.einsum("bkgts,bksh->bkgth", probs, v).transpose(0, 3, 1, 2, 4)
+                x = x + 1e-3 * out
+            return x
+        return jax.jit(run)
+
+    rng = np.random.default_rng(0)
+    print("30 layers of attention over the cache, ms (best of 3)")
+    for b, s, t in ((16, 384, 1), (64, 384, 1), (1, 384, 4), (1, 384, 16)):
+        cache_k = [jnp.asarray(rng.standard_normal((b, 3, s, 64), np.float32)) for _ in range(30)]
+        cache_v = [jnp.asarray(rng.standard_normal((b, 3, s, 64), np.float32)) for _ in range(30)]
+        q = jnp.asarray(rng.standard_normal((b, t, 3, 3, 64), np.float32))
+        lengths = jnp.full((b,), s // 2, jnp.int32)
+        times = {o: best(layers(o), cache_k, cache_v, q, lengths) for o in ("cache left", "query left")}
+        print(f"  B={b} S={s} T={t}: " + "  ".join(f"{o} {ms:.1f}" for o, ms in times.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -146,8 +191,9 @@ def main() -> None:
     p.add_argument("--unstacked", action="store_true", help="the layers as per-layer buffers (see jaxspec.model)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--matmul", action="store_true", help="the matrix-product microbenchmark instead")
+    p.add_argument("--attention", action="store_true", help="the attention-orientation microbenchmark instead")
     args = p.parse_args()
-    (profile_matmul if args.matmul else profile_loop)(args)
+    (profile_matmul if args.matmul else profile_attention if args.attention else profile_loop)(args)
 
 
 if __name__ == "__main__":

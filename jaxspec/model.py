@@ -135,15 +135,17 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
         out = jnp.einsum("bkgtu,bukh->btkgh", probs.astype(new_v.dtype), new_v)
         return out.reshape(b, t, hq, h)
     s = cache_k.shape[2]
-    # The cache is the left operand, contracted over its minor axis h: XLA's CPU dot runs this orientation about
-    # 3x faster than the transposed one, and attention over a long cache is most of a batched decoding step.
-    scores_cache = jnp.einsum("bksh,btkgh->bktgs", cache_k.astype(q.dtype), q, preferred_element_type=jnp.float32)
-    scores_cache = scores_cache.transpose(0, 1, 3, 2, 4)  # [b, k, g, t, s]
+    # Both cache products keep the (b, k) batch axes leading and the cache's slot axis in place: XLA's CPU backend
+    # runs them as batched library products without transposing the cache. Measured (docs/cpu-performance.md,
+    # 30 layers, 384 slots): 2.3x faster than the cache-left orientation used before at B=16 and at B=1 with T=4.
+    scores_cache = jnp.einsum("btkgh,bksh->bkgts", q, cache_k.astype(q.dtype),
+                              preferred_element_type=jnp.float32)  # [b, k, g, t, s]
     visible = jnp.arange(s)[None, :] < cache_lengths[:, None]  # [b, s]
     scores_cache = jnp.where(visible[:, None, None, None, :], scores_cache, NEG_INF)
     probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)
     probs_cache, probs_new = probs[..., :s], probs[..., s:]
-    out = jnp.einsum("bkgts,bksh->btkgh", probs_cache.astype(q.dtype), cache_v.astype(q.dtype))
+    out = jnp.einsum("bkgts,bksh->bkgth", probs_cache.astype(q.dtype), cache_v.astype(q.dtype))
+    out = out.transpose(0, 3, 1, 2, 4)  # [b, t, k, g, h]
     out = out + jnp.einsum("bkgtu,bukh->btkgh", probs_new.astype(new_v.dtype), new_v)
     return out.reshape(b, t, hq, h)
 
