@@ -252,10 +252,31 @@ def measure_cost_model(
     )
 
 
+def cache_folder() -> str:
+    """jaxspec's cache folder: $JAXSPEC_CACHE_DIR, default ~/.cache/jaxspec (cost models, draft ranks, and the
+    compiled XLA programs of `enable_compilation_cache`)."""
+    return os.environ.get("JAXSPEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec")
+
+
+def enable_compilation_cache() -> str | None:
+    """Keeps compiled XLA programs on disk (JAX's persistent compilation cache) in `cache_folder()/xla`, so that a
+    second run of the same command skips most compilation (the unrolled per-layer loops take tens of seconds to
+    compile on CPU). Left alone when the user configured a folder already ($JAX_COMPILATION_CACHE_DIR or
+    `jax.config`) or set JAXSPEC_COMPILATION_CACHE=0. Returns the folder in use, None when disabled. Called by the
+    command line; library users may call it, or set JAX's own option."""
+    if os.environ.get("JAXSPEC_COMPILATION_CACHE", "1") == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    folder = os.path.join(cache_folder(), "xla")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
+
+
 def cost_model_path(target, device: str | None = None) -> str:
     """Where the cost model of `target` on `device` (default: this one, with the weights' dtype) is cached."""
     device = device_name(target.weights.embed.dtype) if device is None else device
-    folder = os.environ.get("JAXSPEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec")
+    folder = cache_folder()
     safe_device = re.sub(r"[^A-Za-z0-9_.-]", "_", device)
     return os.path.join(folder, f"cost-model-{safe_device}-{target.fingerprint()}.json")
 

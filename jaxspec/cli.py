@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         initialize_distributed(args)
+        from jaxspec.budget import enable_compilation_cache
+
+        enable_compilation_cache()
         if args.command == "generate":
             cmd_generate(args)
         elif args.command == "bench":

@@ -511,7 +511,7 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
     import jax
     import numpy as np
 
-    from jaxspec.budget import cost_model_path
+    from jaxspec.budget import cache_folder
 
     stored = os.path.join(folder, DRAFT_RANKS_FILE) if folder else None
     if stored and os.path.isfile(stored):
@@ -525,7 +525,7 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
     digest = hashlib.sha256(target.fingerprint().encode())
     for leaf in jax.tree.leaves(params):
         digest.update(np.asarray(leaf).tobytes())
-    path = os.path.join(os.path.dirname(cost_model_path(target)), f"draft-ranks-{digest.hexdigest()[:16]}.npy")
+    path = os.path.join(cache_folder(), f"draft-ranks-{digest.hexdigest()[:16]}.npy")
     if os.path.isfile(path):
         try:
             return np.load(path)

@@ -2,12 +2,33 @@
 
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import jax
 import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache per test run, shared by the xdist workers, the notebook kernels and
+    the child processes (they inherit the environment): a program compiled by one of them (the SmolLM2 loops,
+    mostly) is read back by the others instead of compiled again. Fresh for every run, so a run's time is that of
+    a clean machine; a folder set by the user is kept."""
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if folder is None and not hasattr(config, "workerinput"):  # workers inherit the controller's folder
+        folder = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-test-xla-")
+        config._jaxspec_xla_folder = folder
+    if folder:
+        jax.config.update("jax_compilation_cache_dir", folder)  # this process imported jax before the variable
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_jaxspec_xla_folder", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 TINY_MODELS = ("qwen2", "qwen3", "llama3")

@@ -225,3 +225,30 @@ def test_choose_tree_picks_the_argmax_of_its_own_throughput_model():
         assert "*" in format_tree_table(rows)
     with pytest.raises(UserError, match="batch size"):
         choose_tree(cost, 0, ranks, draft)
+
+
+def test_compilation_cache_folder_follows_the_settings(tmp_path):
+    """`enable_compilation_cache` in fresh processes (it changes a process-wide JAX option): the jaxspec cache folder
+    by default, a folder the user gave JAX kept, off with JAXSPEC_COMPILATION_CACHE=0; and a program compiled once
+    is written there."""
+    import subprocess
+    import sys
+
+    script = ("import jax, jax.numpy as jnp; from jaxspec.budget import enable_compilation_cache; "
+              "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
+              "folder = enable_compilation_cache(); jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready();"
+              "print(folder)")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXSPEC_COMPILATION_CACHE")}
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", script], env={**env, **extra}, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()[-1]
+
+    ours = str(tmp_path / "jaxspec")
+    assert run(JAXSPEC_CACHE_DIR=ours) == os.path.join(ours, "xla")
+    assert os.listdir(os.path.join(ours, "xla")), "nothing was written to the compilation cache"
+    theirs = str(tmp_path / "theirs")
+    assert run(JAXSPEC_CACHE_DIR=ours, JAX_COMPILATION_CACHE_DIR=theirs) == theirs
+    assert run(JAXSPEC_CACHE_DIR=str(tmp_path / "off"), JAXSPEC_COMPILATION_CACHE="0") == "None"
+    assert not os.path.exists(tmp_path / "off" / "xla")
