@@ -49,6 +49,11 @@ class MethodOptions:
     stage_devices: int = 1  # ppsd/spd: devices the stages are laid out on (1: emulated on one device)
     mesh: str | None = None  # "data=4,model=2": run on a (data, model) device mesh (jaxspec.sharding); None: one device
 
+    @property
+    def tree_by_hand(self) -> bool:
+        """Whether the user gave the tree's shape (--num-draft-tokens, --tree-width or --tree-nodes)."""
+        return (self.num_draft_tokens, self.tree_width, self.tree_nodes) != (None, None, None)
+
 
 DEFAULT_DRAFT_TOKENS = {"draft-model": 4, "prompt-lookup": 4, "early-exit": 3}
 
@@ -217,8 +222,7 @@ def check_method_options(name: str, options: MethodOptions) -> None:
                             f"eagle2, eagle3), not {name}.")
         if dynamic_tree and options.refresh_steps is not None:
             raise UserError(f"--refresh-steps is for jetspec, not {name}.")
-        by_hand = (options.num_draft_tokens, options.tree_width, options.tree_nodes) != (None, None, None)
-        if dynamic_tree and options.budget == "auto" and by_hand:
+        if dynamic_tree and options.budget == "auto" and options.tree_by_hand:
             raise UserError(f"{name}: give either --budget auto or the tree by hand (--num-draft-tokens, --tree-width, "
                             "--tree-nodes), not both.")
         return
@@ -252,10 +256,9 @@ def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Met
         return _pipeline_method(name, target, options)
     if name in LEARNED_METHODS:
         dynamic_tree = name in ("eagle2", "eagle3")
-        by_hand = (options.num_draft_tokens, options.tree_width, options.tree_nodes) != (None, None, None)
         drafter, params = load_learned_drafter(name, target, options.drafter, options)
         cost_model = tree_ranks = None
-        auto = options.budget == "auto" or (dynamic_tree and not by_hand and options.mesh is None)
+        auto = options.budget == "auto" or (dynamic_tree and not options.tree_by_hand and options.mesh is None)
         static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
         if dynamic_tree and options.budget == "auto" and static_tree:
             raise UserError(f"This {name} drafter drafts a fixed tree (its drafter.tree_choices); --budget auto sizes "

@@ -532,3 +532,20 @@ def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
         root += accepted + 1
         checked += 1
     assert checked >= 10 and sum(run.accepted[0]) > 0  # the head does accept: the check has teeth
+
+
+def test_eagle_tree_options_are_checked_before_any_model_loads():
+    """--budget auto and a tree by hand exclude each other; a numeric budget is refused for the dynamic trees."""
+    from jaxspec.errors import UserError
+    from jaxspec.methods import MethodOptions, check_method_options
+
+    assert not MethodOptions().tree_by_hand
+    for by_hand in (dict(num_draft_tokens=3), dict(tree_width=2), dict(tree_nodes=6)):
+        options = MethodOptions(budget="auto", **by_hand)
+        assert options.tree_by_hand
+        with pytest.raises(UserError, match="not both"):
+            check_method_options("eagle3", options)
+        check_method_options("eagle3", MethodOptions(**by_hand))  # the tree by hand alone is fine
+    with pytest.raises(UserError, match="not a number"):
+        check_method_options("eagle2", MethodOptions(budget=16))
+    check_method_options("eagle2", MethodOptions(budget="auto"))
