@@ -10,6 +10,7 @@ index order. A chain of K is the tree with parents [-1, 0, 1, ..., K-2]. Fixed t
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,13 +68,14 @@ def ancestor_mask(parents: jax.Array) -> jax.Array:
     parents: int32[B, T].
     """
     b, t = parents.shape
-    # parent of every verification index; the root is its own parent (a fixed point of the closure)
-    parent_index = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parents + 1], axis=1)  # [B, T+1]
+    # Pointer doubling: after step k, mask[i] holds i's ancestors less than 2^k generations up (and i) and jump[i]
+    # the ancestor exactly 2^k up (the root is its own parent, a fixed point). Depth is at most T, so
+    # ceil(log2(T + 1)) steps cover every ancestor: 6 gathers for a 64-node tree instead of 64.
+    jump = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parents + 1], axis=1)  # [B, T+1], the parent first
     mask = jnp.eye(t + 1, dtype=jnp.bool_)[None].repeat(b, 0)  # [B, T+1, T+1]
-    ancestor = jnp.broadcast_to(jnp.arange(t + 1), (b, t + 1))  # current ancestor of each index, [B, T+1]
-    for _ in range(t):  # depth is at most T
-        ancestor = jnp.take_along_axis(parent_index, ancestor, axis=1)
-        mask = mask | jax.nn.one_hot(ancestor, t + 1, dtype=jnp.bool_)
+    for _ in range(max(1, math.ceil(math.log2(t + 1)))):
+        mask = mask | jnp.take_along_axis(mask, jump[:, :, None], axis=1)  # [B, T+1, T+1]
+        jump = jnp.take_along_axis(jump, jump, axis=1)  # [B, T+1]
     return mask
 
 

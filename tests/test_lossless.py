@@ -323,6 +323,24 @@ def test_ancestor_mask_of_a_small_tree_is_literal():
     np.testing.assert_array_equal(np.asarray(node_depths(jnp.asarray([[-1, -1, 0, 2]])))[0], [0, 1, 1, 2, 3])
 
 
+@pytest.mark.parametrize("num_nodes", [1, 2, 3, 7, 8, 16, 64, 100])
+def test_ancestor_mask_equals_walking_up_the_parents(num_nodes):
+    """Random trees and the deepest one (a chain), against a plain walk from every node up to the root."""
+    rng = np.random.default_rng(num_nodes)
+    parents = np.array([[rng.integers(-1, j) for j in range(num_nodes)] for _ in range(4)]
+                       + [chain_parents(num_nodes)], np.int32)  # [5, T]
+    mask = np.asarray(ancestor_mask(jnp.asarray(parents)))  # [5, T+1, T+1]
+    expected = np.zeros_like(mask)
+    for row, tree in enumerate(parents):
+        for i in range(num_nodes + 1):
+            node = i
+            expected[row, i, node] = True
+            while node > 0:
+                node = tree[node - 1] + 1
+                expected[row, i, node] = True
+    np.testing.assert_array_equal(mask, expected)
+
+
 def test_chain_and_choices_topologies():
     np.testing.assert_array_equal(chain_parents(4), [-1, 0, 1, 2])
     mask = np.asarray(ancestor_mask(jnp.asarray([chain_parents(3)])))[0].astype(int)
