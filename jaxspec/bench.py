@@ -424,21 +424,21 @@ def run_bench(
     }
     if not peers:
         out["peers"] = {"skipped": "not requested (--no-peers)"}
-    else:
-        try:
-            peers_script = _load_peers_script()
-        except ImportError as e:
-            out["peers"] = {"skipped": f"torch/transformers not importable ({e}); pip install torch==2.13.0 accelerate"}
-        else:
-            if peers_script is None:
-                out["peers"] = {"skipped": f"{PEERS_SCRIPT} not found (it comes with a source checkout)"}
-                return out
-            peer_rows, info = peers_script.run_peers(target, prompt_sets, max_new_tokens=max_new_tokens,
-                                                     eos_ids=out["eos_ids"], prompt_lookup_ks=peer_prompt_lookup_ks,
-                                                     ngram=ngram, progress=progress)
-            _attach_peer_speedups(peer_rows, results)
-            out["peers"] = info
-            results.extend(peer_rows)
+        return out
+    try:
+        peers_script = _load_peers_script()
+    except ImportError as e:
+        out["peers"] = {"skipped": f"torch/transformers not importable ({e}); pip install torch==2.13.0 accelerate"}
+        return out
+    if peers_script is None:
+        out["peers"] = {"skipped": f"{PEERS_SCRIPT} not found (it comes with a source checkout)"}
+        return out
+    peer_rows, info = peers_script.run_peers(target, prompt_sets, max_new_tokens=max_new_tokens,
+                                             eos_ids=out["eos_ids"], prompt_lookup_ks=peer_prompt_lookup_ks,
+                                             ngram=ngram, progress=progress)
+    _attach_peer_speedups(peer_rows, results)
+    out["peers"] = info
+    results.extend(peer_rows)
     return out
 
 
