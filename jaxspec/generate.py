@@ -51,7 +51,7 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
     b, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     out = forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, causal_mask(b, p), compute_logits=False,
-                          **forward_kwargs)
+                          read_cache=False, **forward_kwargs)
     last_hidden = jnp.take_along_axis(out.last_hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
     last = lm_head(weights, cfg, last_hidden)[:, 0]  # [B, V]: the LM head only where it is needed
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + prompt_lengths.astype(jnp.int32))

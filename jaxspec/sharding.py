@@ -256,7 +256,8 @@ def check_divisible(cfg: ModelConfig, batch_size: int | None, mesh: Mesh | jax.s
 
 def forward_on_mesh(mesh: Mesh | None, weights: Weights, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                     cache: KVCache | None = None, mask: jax.Array | None = None, *,
-                    hidden_layers: tuple[int, ...] = (), compute_logits: bool = True) -> ForwardOutput:
+                    hidden_layers: tuple[int, ...] = (), compute_logits: bool = True,
+                    read_cache: bool = True) -> ForwardOutput:
     """`jaxspec.model.forward` on a (data, model) mesh: tensor-parallel under shard_map (None: plain forward).
 
     Each device runs its rows (data) with its slice of the heads, feed-forward width and vocabulary (model):
@@ -267,7 +268,7 @@ def forward_on_mesh(mesh: Mesh | None, weights: Weights, cfg: ModelConfig, token
     """
     if mesh is None:
         return forward(weights, cfg, tokens, positions, cache, mask, hidden_layers=hidden_layers,
-                       compute_logits=compute_logits)
+                       compute_logits=compute_logits, read_cache=read_cache)
     rows = P(DATA, None)
     in_specs = (weight_specs(weights), rows, rows, None if cache is None else cache_specs(cache),
                 None if mask is None else P(DATA, None, None))
@@ -280,7 +281,7 @@ def forward_on_mesh(mesh: Mesh | None, weights: Weights, cfg: ModelConfig, token
 
     def local(weights, tokens, positions, cache, mask):
         return forward(weights, cfg, tokens, positions, cache, mask, hidden_layers=hidden_layers,
-                       compute_logits=compute_logits, model_axis=MODEL)
+                       compute_logits=compute_logits, model_axis=MODEL, read_cache=read_cache)
 
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
         weights, tokens, positions, cache, mask)
