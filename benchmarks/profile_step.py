@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py --batch 16 --cache 1024
     python benchmarks/profile_step.py --method eagle3          # a speculative round: draft / verify / commit
     python benchmarks/profile_step.py --unstacked              # the layers as per-layer buffers (CPU)
+    python benchmarks/profile_step.py --method eagle3 --by-op  # each phase split by kind of op
     python benchmarks/profile_step.py --matmul                 # 30 chained 576 x 1536 products, stacked vs per layer
     python benchmarks/profile_step.py --attention              # attention over the cache: two product orientations
 
@@ -56,11 +57,16 @@ def _scopes(compiled_text: str) -> dict[str, str]:
     return out
 
 
-def _kind(op: str, scope: str) -> str:
+def _kind(op: str, scope: str, by_op: bool = False) -> str:
+    """The group an op's time goes to: its phase (draft, verify, commit) or its kind of op; with `by_op`, both."""
+    name = re.sub(r"[.\d]+$", "", op)
     for phase in ("draft", "verify", "commit"):
         if f"/{phase}/" in scope:
-            return phase
-    name = re.sub(r"[.\d]+$", "", op)
+            return f"{phase}: {_op_kind(name)}" if by_op else phase
+    return _op_kind(name)
+
+
+def _op_kind(name: str) -> str:
     return {"dynamic-slice_bitcast_fusion": "weight slice copies", "ynn_fusion": "library matrix products",
             "dot": "matrix products"}.get(name, name)
 
@@ -94,7 +100,7 @@ def profile_loop(args) -> None:
     times = _trace(run, rounds)
     grouped = collections.Counter()
     for op, us in times.items():
-        grouped[_kind(op, scopes.get(op, ""))] += us
+        grouped[_kind(op, scopes.get(op, ""), args.by_op)] += us
     total = sum(grouped.values())
     print(f"{args.method}, batch {b}, {args.cache} cache slots, {'unstacked' if args.unstacked else 'stacked'} layers: "
           f"{seconds * 1e3 / rounds:.1f} ms per {'step' if args.method == 'autoregressive' else 'round'} "
@@ -190,6 +196,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=33, help="new tokens")
     p.add_argument("--unstacked", action="store_true", help="the layers as per-layer buffers (see jaxspec.model)")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--by-op", action="store_true", help="split each phase (draft, verify, commit) by kind of op")
     p.add_argument("--matmul", action="store_true", help="the matrix-product microbenchmark instead")
     p.add_argument("--attention", action="store_true", help="the attention-orientation microbenchmark instead")
     args = p.parse_args()

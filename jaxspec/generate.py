@@ -73,6 +73,16 @@ def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVC
     return out.logits[:, 0], cache
 
 
+def _bits_dtype(dtype):
+    """The unsigned integer type as wide as `dtype`."""
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
+
+
+def _to_bits(x: jax.Array, dtype) -> jax.Array:
+    """x cast to `dtype`, returned as its bit patterns (`_bits_dtype`); bitcast_convert_type undoes it."""
+    return jax.lax.bitcast_convert_type(x.astype(dtype), _bits_dtype(dtype))
+
+
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tokens.shape, jnp.bool_)
@@ -119,9 +129,11 @@ def generate_tokens(
     features = None
     if hidden_layers:
         in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]  # [B, P]
-        prompt_features = jnp.where(in_prompt[None, :, :, None], prefill_out.hidden, 0).astype(hidden_dtype)
-        features = jnp.zeros((len(hidden_layers), b, p + max_new_tokens, cfg.hidden_size), hidden_dtype)
-        features = features.at[:, :, :p].set(prompt_features)  # [n, B, P + N, d]
+        prompt_features = jnp.where(in_prompt[None, :, :, None], prefill_out.hidden, 0)
+        # kept as the bits of hidden_dtype (unsigned integers of its width): XLA:CPU widened a bfloat16 buffer to
+        # float32 and back around every step's scatter, whole-buffer conversions that cost more than the step
+        features = jnp.zeros((len(hidden_layers), b, p + max_new_tokens, cfg.hidden_size), _bits_dtype(hidden_dtype))
+        features = features.at[:, :, :p].set(_to_bits(prompt_features, hidden_dtype))  # [n, B, P + N, d]
     rows = jnp.arange(b)
 
     def cond(state):
@@ -135,7 +147,7 @@ def generate_tokens(
             logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers)
             # finished rows write out of range, which is dropped
             where = jnp.where(done, features.shape[2], position)
-            features = features.at[:, rows, where].set(hidden.astype(hidden_dtype), mode="drop")
+            features = features.at[:, rows, where].set(_to_bits(hidden, hidden_dtype), mode="drop")
         else:
             logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh)
         new = sample_token(jax.random.fold_in(rng, step), logits, sampling)
@@ -146,7 +158,7 @@ def generate_tokens(
     _, _, out, _, _, features = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, out, first, done, features))
     counts = jnp.sum(out != PAD, axis=1).astype(jnp.int32)
     if hidden_layers:
-        return out, counts, features
+        return out, counts, jax.lax.bitcast_convert_type(features, hidden_dtype)
     return out, counts
 
 

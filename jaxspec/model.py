@@ -190,7 +190,10 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask)
-    x = x + _sum_shards(_rowwise("btnh,nhd->btd", attn, lw.wo, rowwise), model_axis)
+    # the heads flattened into one contraction axis: as "btnh,nhd->btd" XLA copied a transposed wo every step
+    b, t, n, h = attn.shape
+    wo = lw.wo.reshape(n * h, lw.wo.shape[-1])  # [n * h, d], a bitcast of [n, h, d]
+    x = x + _sum_shards(_rowwise("bte,ed->btd", attn.reshape(b, t, n * h), wo, rowwise), model_axis)
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     gate = _rowwise("btd,df->btf", hx, lw.w_gate, rowwise)
     up = _rowwise("btd,df->btf", hx, lw.w_up, rowwise)

@@ -1,0 +1,65 @@
+"""How well an EAGLE-3 head predicts the target along regenerated text: on samples it was trained on and on samples
+of prompts it never saw (an overfit head shows a large gap).
+
+    python benchmarks/drafter_ranks.py --data data/regen-smollm2-135m-b64 --seen 0:12 --unseen-from-prompt 2000
+
+For each row the head runs teacher-forced (`jaxspec.drafters.eagle.draft_ranks`, what a round drafts while it is
+accepted); printed: P(the head's top choice is the target's token at every depth up to j) and the tau of a chain of
+`--depth` drafted tokens at T=0. The default drafter is the one shipped for SmolLM2-135M, trained on the answers to
+the first 2000 ShareGPT prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from jaxspec.data import RegeneratedDataset
+from jaxspec.drafters.eagle import draft_ranks
+from jaxspec.loading import DEFAULT_MODEL, load_model
+from jaxspec.methods import MethodOptions, build_method
+
+
+def chain_acceptance(method, target, dataset, indices, depth: int) -> tuple[np.ndarray, float, int]:
+    """(P(top-1 hit at depths 0..j) [depth], chain tau, measured positions) over dataset samples `indices`."""
+    rows = [dataset.sample(i) for i in indices]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int64)  # [R, S]
+    for r, x in enumerate(rows):
+        tokens[r, : len(x)] = x
+    ranks = draft_ranks(method.params, target.weights, target.config, method.drafter.target_layers, tokens,
+                        np.array([len(x) for x in rows]), dataset.prompt_lengths[list(indices)], depth)  # [P, depth]
+    hits = np.cumprod(ranks == 0, axis=1)  # [P, depth]
+    return hits.mean(0), float((1 + hits.sum(1)).mean()), len(ranks)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--drafter", default=None, help="an EAGLE-3 drafter folder (default: the shipped one)")
+    p.add_argument("--data", required=True, help="a folder written by `jaxspec regenerate` with this target")
+    p.add_argument("--seen", default="0:12", help="sample range start:end the head was trained on")
+    p.add_argument("--unseen-from-prompt", type=int, default=2000,
+                   help="samples whose prompt index is at least this were never trained on")
+    p.add_argument("--count", type=int, default=12, help="unseen samples to measure")
+    p.add_argument("--depth", type=int, default=3)
+    args = p.parse_args()
+
+    target = load_model(args.model)
+    method = build_method("eagle3", target, MethodOptions(drafter=args.drafter, num_draft_tokens=args.depth,
+                                                          tree_width=1, tree_nodes=args.depth))
+    dataset = RegeneratedDataset(args.data, verify=False)
+    dataset.check_target(target.fingerprint())
+    start, end = (int(x) for x in args.seen.split(":"))
+    unseen = np.flatnonzero(dataset.source_index >= args.unseen_from_prompt)[: args.count]
+    if len(unseen) == 0:
+        raise SystemExit(f"no sample of '{args.data}' comes from prompt {args.unseen_from_prompt} or later yet")
+    for name, indices in ((f"seen samples {start}:{end}", list(range(start, end))),
+                          (f"unseen samples (prompt >= {args.unseen_from_prompt})", unseen.tolist())):
+        hits, tau, positions = chain_acceptance(method, target, dataset, indices, args.depth)
+        print(f"{name}: {positions} positions, P(top-1 through depth j) {np.round(hits, 3).tolist()}, "
+              f"chain-of-{args.depth} tau {tau:.2f}")
+
+
+if __name__ == "__main__":
+    main()
