@@ -39,10 +39,11 @@ def round_up(n: int, multiple: int) -> int:
 
 def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_lengths: jax.Array, cache: KVCache,
             mesh: Mesh | None = None, **forward_kwargs):
-    """Runs the prompts and commits them to the (empty) cache.
+    """Runs the prompts and commits them to the cache.
 
     Args:
         tokens: int32[B, P] right-padded prompts; prompt_lengths: int32[B] (>= 1).
+        cache: a freshly made cache (`init_cache`): its slots are never read, the prompts start at position 0.
         mesh: a (data, model) mesh to run the forward on (`jaxspec.sharding.forward_on_mesh`), or None.
     Returns:
         (last_logits [B, V] at each row's last prompt token, ForwardOutput (logits None: only the last
@@ -54,7 +55,7 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
                           read_cache=False, **forward_kwargs)
     last_hidden = jnp.take_along_axis(out.last_hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
     last = lm_head(weights, cfg, last_hidden)[:, 0]  # [B, V]: the LM head only where it is needed
-    cache = dataclasses.replace(out.cache, lengths=cache.lengths + prompt_lengths.astype(jnp.int32))
+    cache = dataclasses.replace(out.cache, lengths=prompt_lengths.astype(jnp.int32))
     return last, out, cache
 
 
