@@ -318,9 +318,17 @@ def embed_tokens(weights: Weights, tokens: jax.Array, model_axis: str | None = N
     return jax.lax.psum(jnp.where(inside[..., None], rows, 0), model_axis)
 
 
-def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """x: [B, T, d] residual stream -> float32 logits [B, T, V] (final norm, then the output projection)."""
+def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
+    """x: [B, T, d] residual stream -> float32 logits [B, T, V] (final norm, then the output projection).
+
+    vocab: int32[Vs] token ids -> only their logits [B, T, Vs] (a drafter's reduced vocabulary: Vs/V of the cost).
+    """
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    if vocab is not None and weights.lm_head is None:
+        return jnp.einsum("btd,vd->btv", x, jnp.take(weights.embed, vocab, axis=0), preferred_element_type=jnp.float32)
+    if vocab is not None:
+        columns = jnp.take(weights.lm_head, vocab, axis=1)  # [d, Vs]
+        return jnp.einsum("btd,dv->btv", x, columns, preferred_element_type=jnp.float32)
     b, t = x.shape[:2]
     rowwise = isinstance(weights.layers, tuple) and 1 < b * t <= ROWWISE_MAX_ROWS  # see `_rowwise`
     if weights.lm_head is None:

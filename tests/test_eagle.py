@@ -384,11 +384,11 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
     layers = (0, 1, 2)
     batch = next(dataset.batches(16, 32, seed=1))
     tokens = jnp.asarray(batch["tokens"])
-    feats = target_features(target.weights, target.config, tokens, layers, with_logits=True)
+    feats = target_features(target.weights, target.config, tokens, layers)
     fresh = Eagle3Config(**drafter_cfg).init_params(target.config, target.weights, jax.random.key(0), counts)
 
     def fixed_loss(p):
-        return float(eagle3_loss(p, target.weights, target.config, tokens, feats.hidden, feats.logits,
+        return float(eagle3_loss(p, target.weights, target.config, tokens, feats.hidden, feats.last_hidden,
                                  jnp.asarray(batch["loss_mask"]), steps=3)[0])
 
     assert fixed_loss(params) < fixed_loss(fresh)
@@ -450,11 +450,11 @@ def test_eagle1_training_regresses_features_with_the_target_lm_head_frozen(tiny_
 
     batch = next(RegeneratedDataset(data).batches(16, 32, seed=1))
     tokens = jnp.asarray(batch["tokens"])
-    feats = target_features(target.weights, target.config, tokens, (2,), with_logits=True)
+    feats = target_features(target.weights, target.config, tokens, (2,))
     fresh = eagle1_config(target.config).init_params(target.config, target.weights, jax.random.key(0))
 
     def regression_error(p):
-        return float(eagle3_loss(p, target.weights, target.config, tokens, feats.hidden, feats.logits,
+        return float(eagle3_loss(p, target.weights, target.config, tokens, feats.hidden, feats.last_hidden,
                                  jnp.asarray(batch["loss_mask"]), steps=1, feature_weight=1.0)[1]["feature_step0"])
 
     assert regression_error(params) < 0.9 * regression_error(fresh)

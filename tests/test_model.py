@@ -113,6 +113,26 @@ def test_layer_range_composes_to_full_forward(tiny):
     np.testing.assert_allclose(np.asarray(high.logits), np.asarray(full.logits), atol=1e-5)
 
 
+def test_lm_head_on_a_reduced_vocabulary_is_the_full_logits_columns(tiny):
+    """`lm_head(..., vocab)` (what drafter training uses instead of the [B, S, V] logits) takes the same columns,
+    with tied embeddings and with a separate output matrix."""
+    import dataclasses
+
+    from jaxspec.model import lm_head
+
+    _, model, ref = tiny
+    cfg, w = model.config, model.weights
+    x = forward(w, cfg, jnp.asarray(ref["input_ids"]), _positions(jnp.asarray(ref["input_ids"])),
+                compute_logits=False).last_hidden  # [B, T, d]
+    vocab = jnp.asarray([7, 0, cfg.vocab_size - 1, 31, 7], jnp.int32)
+    untied = dataclasses.replace(w, lm_head=jnp.asarray(np.random.default_rng(0).normal(
+        size=(cfg.hidden_size, cfg.vocab_size)), w.embed.dtype))
+    for weights in (dataclasses.replace(w, lm_head=None), untied):
+        full = np.asarray(lm_head(weights, cfg, x))  # [B, T, V]
+        np.testing.assert_allclose(np.asarray(lm_head(weights, cfg, x, vocab)), full[..., np.asarray(vocab)],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_rows_of_a_batch_are_independent(tiny):
     """A row's logits do not depend on the other rows (their lengths, their padding)."""
     _, model, ref = tiny

@@ -285,7 +285,7 @@ def test_spd_loss_trains():
     @jax.jit
     def step(params, opt_state, key):
         (loss, _), grads = jax.value_and_grad(
-            lambda p: spd_loss(p, weights, cfg, tokens, out.hidden, out.logits, mask, key, num_stages=3),
+            lambda p: spd_loss(p, weights, cfg, tokens, out.hidden, out.last_hidden, mask, key, num_stages=3),
             has_aux=True)(params)
         updates, opt_state = opt.update(grads, opt_state)
         return optax.apply_updates(params, updates), opt_state, loss

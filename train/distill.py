@@ -23,7 +23,7 @@ import optax
 
 from jaxspec.configs import TrainConfig, from_dict, make_optimizer, to_dict
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, forward, lm_head
+from jaxspec.model import Weights, forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,6 @@ class Trainable:
     target_layers: Any  # (method config, target config) -> tuple of hidden layer indices needed ((): last only)
     # (params, method config, target weights, target cfg, features, loss_mask, loss config, key) -> (loss, metrics)
     loss: Any
-    needs_logits: bool = False  # whether features.logits ([B, S, V]) must be computed
     init_uses_data: bool = False  # init_params also receives the RegeneratedDataset (EAGLE-3's draft vocabulary)
     config_defaults: Any = None  # a dict the config's drafter section overrides (EAGLE-1's settings), or None
 
@@ -60,23 +59,20 @@ def trainable_for(method: str) -> Trainable:
 @dataclasses.dataclass
 class Features:
     """The frozen target on a batch. last_hidden: [B, S, d] residual stream after the last layer (before the final
-    norm); logits: [B, S, V] or None (methods that need the target's distribution at a few positions apply
-    `jaxspec.model.lm_head` to last_hidden there); hidden: [n, B, S, d] the layers the method asked for (or None);
+    norm; a loss applies `jaxspec.model.lm_head` to it, on its draft vocabulary or at the positions it needs: the
+    full [B, S, V] logits are never made); hidden: [n, B, S, d] the layers the method asked for (or None);
     tokens: int32[B, S] the batch itself (drafters that embed the text, EAGLE-3)."""
 
     last_hidden: jax.Array
-    logits: jax.Array | None
     hidden: jax.Array | None
     tokens: jax.Array | None = None
 
 
-def target_features(weights: Weights, cfg, tokens: jax.Array, layers: tuple[int, ...],
-                    with_logits: bool = False) -> Features:
+def target_features(weights: Weights, cfg, tokens: jax.Array, layers: tuple[int, ...]) -> Features:
     """tokens: int32[B, S] -> Features, under stop_gradient (the target is frozen)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    out = forward(weights, cfg, tokens, positions, hidden_layers=layers, compute_logits=with_logits)
-    return jax.lax.stop_gradient(Features(last_hidden=out.last_hidden, logits=out.logits, hidden=out.hidden,
-                                          tokens=tokens))
+    out = forward(weights, cfg, tokens, positions, hidden_layers=layers, compute_logits=False)
+    return jax.lax.stop_gradient(Features(last_hidden=out.last_hidden, hidden=out.hidden, tokens=tokens))
 
 
 def make_train_step(trainable: Trainable, method_cfg, target_cfg, loss_cfg, optimizer, layers):
@@ -86,12 +82,10 @@ def make_train_step(trainable: Trainable, method_cfg, target_cfg, loss_cfg, opti
 
     def step(params, opt_state, target_weights, tokens, loss_mask, key, cached=None):
         if cached is None:
-            features = target_features(target_weights, target_cfg, tokens, layers, trainable.needs_logits)
+            features = target_features(target_weights, target_cfg, tokens, layers)
         else:
             last_hidden, hidden = cached
-            logits = lm_head(target_weights, target_cfg, last_hidden) if trainable.needs_logits else None
-            features = jax.lax.stop_gradient(Features(last_hidden=last_hidden, logits=logits, hidden=hidden,
-                                                      tokens=tokens))
+            features = jax.lax.stop_gradient(Features(last_hidden=last_hidden, hidden=hidden, tokens=tokens))
 
         def loss_fn(p):
             return trainable.loss(p, method_cfg, target_weights, target_cfg, features, loss_mask, loss_cfg, key)
@@ -386,7 +380,6 @@ def _register_builtin() -> None:
             None if dataset is None else response_token_counts(dataset, target.config.vocab_size)),
         target_layers=lambda c, target_cfg: c.for_target(target_cfg).feature_layers,
         loss=eagle3_training_loss,
-        needs_logits=True,
         init_uses_data=True,
     )
     register("eagle3", eagle)

@@ -99,6 +99,7 @@ from jaxspec.model import (
     apply_rope,
     causal_mask,
     forward,
+    lm_head,
     rms_norm,
     rope_inverse_frequencies,
 )
@@ -678,14 +679,15 @@ def ttt_logits(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, tokens:
 
 
 def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: ModelConfig, tokens: jax.Array,
-                hidden: jax.Array, target_logits: jax.Array, loss_mask: jax.Array, *, steps: int,
+                hidden: jax.Array, target_last: jax.Array, loss_mask: jax.Array, *, steps: int,
                 kind: str = "forward_kl", decay: float | None = 0.8, gamma: float | None = None,
                 feature_weight: float = 0.0, token_weight: float = 1.0, noise: float = 0.0,
                 key: jax.Array | None = None):
     """The TTT distillation loss on a batch of sequences.
 
     Args:
-        tokens: int32[B, S]; hidden: [n, B, S, d] the target's feature layers; target_logits: [B, S, V];
+        tokens: int32[B, S] text the target generated; hidden: [n, B, S, d] the target's feature layers;
+        target_last: [B, S, d] its last layer's output (the loss needs its logits on the draft vocabulary only);
         loss_mask: bool[B, S] (True at t when token t + 1 is a response token).
         steps: unrolled steps; kind: see `jaxspec.losses`; decay / gamma: step weights decay^i or exp(-gamma i).
         feature_weight: EAGLE-1's feature regression: smooth L1 between the step-i output at column t and the
@@ -694,17 +696,16 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
             > 0, fc, the final norm and the LM head are frozen.
         token_weight: weight of the token loss. noise: uniform feature noise amplitude (needs `key`).
     Returns:
-        (loss, metrics: loss_step{i} and acc_step{i}, the draft argmax (as a target id) equal to the target's;
-        feature_step{i} with feature regression).
+        (loss, metrics: loss_step{i} and acc_step{i}, the draft argmax (as a target id) equal to the text's next
+        token, which is the target's argmax in text it generated at T=0; feature_step{i} with feature regression).
     """
     if feature_weight > 0:  # EAGLE-1: the head lives in the target's feature space; the target's LM head decodes
         params = dataclasses.replace(params, fc=jax.lax.stop_gradient(params.fc),
                                      final_norm=jax.lax.stop_gradient(params.final_norm),
                                      lm_head=jax.lax.stop_gradient(params.lm_head))
     d2t = draft_to_target(params)  # [Vd]
-    target_logits = jax.lax.stop_gradient(target_logits)
-    restricted = jnp.take(target_logits, d2t, axis=-1)  # [B, S, Vd]: renormalised by the loss's softmax
-    target_best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, S]
+    # the target's logits of the draft vocabulary only, renormalised by the loss's softmax
+    restricted = jax.lax.stop_gradient(lm_head(target_weights, target_cfg, target_last, d2t))  # [B, S, Vd]
     inputs = hidden
     if noise > 0:
         inputs = hidden + jax.random.uniform(key, hidden.shape, hidden.dtype, -noise, noise)  # [n, B, S, d]
@@ -722,7 +723,7 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
             smooth_l1 = jnp.where(jnp.abs(error) < 1.0, 0.5 * error ** 2, jnp.abs(error) - 0.5).mean(-1)  # [B, S]
             metrics[f"feature_step{i}"] = masked_mean(smooth_l1, mask)
             losses[-1] = losses[-1] + feature_weight * metrics[f"feature_step{i}"]
-        hit = d2t[jnp.argmax(step_logits, axis=-1)] == _shift(target_best, i + 1, -1)  # [B, S]
+        hit = d2t[jnp.argmax(step_logits, axis=-1)] == _shift(tokens, i + 2, -1)  # [B, S]: token t + i + 2
         metrics[f"loss_step{i}"] = token_loss
         metrics[f"acc_step{i}"] = masked_mean(hit.astype(jnp.float32), mask)
     decay = 0.8 if decay is None else decay
@@ -733,7 +734,7 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
 def eagle3_training_loss(params, mcfg: Eagle3Config, target_weights, target_cfg, features, loss_mask, loss_cfg,
                          key) -> tuple[jax.Array, dict[str, Any]]:
     """`eagle3_loss` with the training loop's `Trainable.loss` signature (features need tokens, hidden, logits)."""
-    return eagle3_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.logits,
+    return eagle3_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.last_hidden,
                        loss_mask, steps=mcfg.ttt_steps, kind=loss_cfg.kind, decay=loss_cfg.position_decay,
                        gamma=loss_cfg.gamma, feature_weight=mcfg.feature_loss_weight,
                        token_weight=mcfg.token_loss_weight, noise=mcfg.feature_noise, key=key)

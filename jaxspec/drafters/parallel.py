@@ -74,7 +74,7 @@ from jaxspec.drafters.eagle import (
 )
 from jaxspec.errors import UserError
 from jaxspec.losses import gamma_weights, masked_mean, per_position_loss
-from jaxspec.model import NEG_INF, Weights, _attention
+from jaxspec.model import NEG_INF, Weights, _attention, lm_head
 from jaxspec.sampling import process_logits
 from jaxspec.tree import DraftTree, ancestor_mask
 
@@ -527,18 +527,20 @@ def parallel_logits(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Arr
 
 
 def parallel_loss(params: ParallelHeadParams, target_weights: Weights, target_cfg: ModelConfig, tokens: jax.Array,
-                  hidden: jax.Array, target_logits: jax.Array, loss_mask: jax.Array, key: jax.Array, *,
+                  hidden: jax.Array, target_last: jax.Array, loss_mask: jax.Array, key: jax.Array, *,
                   block_size: int, attention: str, kind: str = "forward_kl", gamma: float = 0.0,
                   real_token_rate: float = 0.5, anchor_stride: int = 1):
     """The block distillation loss on a batch of sequences.
 
     Args:
-        tokens: int32[B, S]; hidden: [n, B, S, d]; target_logits: [B, S, V]; loss_mask: bool[B, S] (True at t when
-        token t + 1 is a response token); key: for the real/mask choice of each block (tree-causal head).
+        tokens: int32[B, S] text the target generated; hidden: [n, B, S, d]; target_last: [B, S, d] the target's
+        last layer's output (its logits are needed on the draft vocabulary only); loss_mask: bool[B, S] (True at t
+        when token t + 1 is a response token); key: for the real/mask choice of each block (tree-causal head).
         kind: forward_kl | reverse_kl | sft; gamma: slot j weighs exp(-gamma j); anchor_stride: anchors every n
         positions from a random offset in [0, n).
     Returns:
-        (loss, metrics: loss_slot{j}, acc_slot{j}: the draft argmax equals the target's).
+        (loss, metrics: loss_slot{j}, acc_slot{j}: the draft argmax equals the text's next token, the target's
+        argmax in text it generated at T=0).
     """
     b, s = tokens.shape
     offset_key, real_key = jax.random.split(key)
@@ -551,11 +553,11 @@ def parallel_loss(params: ParallelHeadParams, target_weights: Weights, target_cf
     logits = parallel_logits(params, target_cfg, target_weights.embed, tokens, feats, anchors, block_size, attention,
                              real)  # [B, A, D, Vd]
     d2t = draft_to_target(params.head)
-    target_logits = jax.lax.stop_gradient(target_logits)
+    target_logits = jax.lax.stop_gradient(lm_head(target_weights, target_cfg, target_last, d2t))  # [B, S, Vd]
     target_index = anchors[:, None] + 1 + jnp.arange(block_size, dtype=jnp.int32)[None]  # [A, D]: position a+1+j
-    restricted = jnp.take(_gather_shifted(target_logits, target_index, 0.0), d2t, axis=-1)  # [B, A, D, Vd]
+    restricted = _gather_shifted(target_logits, target_index, 0.0)  # [B, A, D, Vd]
     mask = _gather_shifted(loss_mask, target_index, False)  # [B, A, D]
-    best = _gather_shifted(jnp.argmax(target_logits, axis=-1).astype(jnp.int32), target_index, -1)  # [B, A, D]
+    best = _gather_shifted(tokens, target_index + 1, -1)  # [B, A, D]: token a+2+j, what position a+1+j predicts
     per_slot = per_position_loss(kind, logits, restricted)  # [B, A, D]
     weights = gamma_weights(block_size, gamma)  # [D]
     loss = masked_mean(per_slot, mask, weights)
@@ -570,7 +572,7 @@ def parallel_loss(params: ParallelHeadParams, target_weights: Weights, target_cf
 def parallel_training_loss(params, mcfg: ParallelHeadConfig, target_weights, target_cfg, features, loss_mask,
                            loss_cfg, key) -> tuple[jax.Array, dict[str, Any]]:
     """`parallel_loss` with the training loop's `Trainable.loss` signature."""
-    return parallel_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.logits,
+    return parallel_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.last_hidden,
                          loss_mask, key, block_size=mcfg.block_size, attention=mcfg.attention, kind=loss_cfg.kind,
                          gamma=0.0 if loss_cfg.gamma is None else loss_cfg.gamma,
                          real_token_rate=mcfg.real_token_rate, anchor_stride=mcfg.anchor_stride)

@@ -35,7 +35,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.eagle import build_vocab_map, draft_to_target, head_logits, to_target_logits
 from jaxspec.errors import UserError
 from jaxspec.losses import masked_mean, per_position_loss
-from jaxspec.model import LayerWeights, Weights, causal_mask, embed_tokens, run_layers
+from jaxspec.model import LayerWeights, Weights, causal_mask, embed_tokens, lm_head, run_layers
 from jaxspec.pipeline import PipelineDrafter, PipelineView, check_num_stages, choose_draft, stage_size
 
 STATES = ("input", "output")
@@ -261,20 +261,22 @@ def random_occupancy(key: jax.Array, shape: tuple[int, int], num_stages: int, fu
     return jnp.clip(m, 1, jnp.maximum(jnp.arange(shape[1])[None, :], 1)).astype(jnp.int32)
 
 
-def spd_loss(params: SPDParams, target_weights: Weights, target_cfg: ModelConfig, tokens, hidden, target_logits,
+def spd_loss(params: SPDParams, target_weights: Weights, target_cfg: ModelConfig, tokens, hidden, target_last,
              loss_mask, key, *, num_stages: int, state: str = "input", full_rate: float = 0.5,
              kind: str = "forward_kl"):
-    """Distillation loss at one stage count. tokens: int32[B, N]; hidden: [L, B, N, d]; target_logits: [B, N, V];
-    loss_mask: bool[B, N] (True at i when token i + 1 is a response token). Returns (loss, metrics)."""
+    """Distillation loss at one stage count. tokens: int32[B, N] text the target generated; hidden: [L, B, N, d];
+    target_last: [B, N, d] the last layer's output (its logits are needed on the draft vocabulary only);
+    loss_mask: bool[B, N] (True at i when token i + 1 is a response token). Returns (loss, metrics: acc is the
+    draft argmax equal to the text's next token, the target's argmax in text it generated at T=0)."""
     emb = embed_tokens(target_weights, tokens)
     occupancy = random_occupancy(key, tokens.shape, num_stages, full_rate)
     logits = spd_block_logits(params, target_cfg, emb, hidden, occupancy, num_stages=num_stages, state=state)
     d2t = draft_to_target(params)
-    target_logits = jax.lax.stop_gradient(target_logits)
-    restricted = jnp.take(target_logits, d2t, axis=-1)  # [B, N, Vd]
+    restricted = jax.lax.stop_gradient(lm_head(target_weights, target_cfg, target_last, d2t))  # [B, N, Vd]
     mask = loss_mask & (jnp.arange(tokens.shape[1]) >= 1)[None]  # position 0 has no committed token before it
     loss = masked_mean(per_position_loss(kind, logits, restricted), mask)
-    hit = d2t[jnp.argmax(logits, axis=-1)] == jnp.argmax(target_logits, axis=-1)
+    next_token = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], -1)], axis=1)  # [B, N]
+    hit = d2t[jnp.argmax(logits, axis=-1)] == next_token
     full = occupancy == num_stages
     return loss, {"acc": masked_mean(hit.astype(jnp.float32), mask),
                   "acc_full_pipeline": masked_mean(hit.astype(jnp.float32), mask & full)}
@@ -288,7 +290,7 @@ def spd_training_loss(params, mcfg: SPDConfig, target_weights, target_cfg, featu
 
     def branch(n):
         return lambda params: spd_loss(params, target_weights, target_cfg, features.tokens, features.hidden,
-                                       features.logits, loss_mask, loss_key, num_stages=n, state=mcfg.state,
+                                       features.last_hidden, loss_mask, loss_key, num_stages=n, state=mcfg.state,
                                        full_rate=mcfg.full_pipeline_rate, kind=loss_cfg.kind)
 
     index = jax.random.randint(pick_key, (), 0, len(stages))
