@@ -1,0 +1,138 @@
+"""At T > 0 every drafter, run through the real decoding loop, emits the target's own distribution.
+
+test_lossless.py proves the acceptance rule exact for q's that the test computes itself. Here nothing is computed
+by hand: each drafter makes its own trees and its own q inside `speculative_generate`, for thousands of rows of one
+prompt at once, and the joint distribution of the first new tokens is compared with the target's, enumerated
+exactly over a vocabulary of 8 (a chi-square test; the seed is fixed, so the test is deterministic). The tiny models
+are scaled so that their distributions are far from one-hot and the draft model's differ from the target's: a drafter
+that reports a q other than the one it sampled from (an untempered softmax, q without top-k or top-p) moves the output
+by several hundredths, which the test detects (`test_a_drafter_reporting_the_wrong_q_is_caught`).
+"""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec.config import ModelConfig
+from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
+from jaxspec.model import forward, init_weights
+from jaxspec.sampling import SamplingConfig, target_probs
+from jaxspec.speculative import speculative_generate
+
+V = 8
+CFG = ModelConfig(architecture="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+TARGET = init_weights(CFG, jax.random.key(11), scale=0.5)
+DRAFT = init_weights(CFG, jax.random.key(12), scale=0.5)
+PROMPT = [1, 3, 0, 2, 1, 3]  # repeats, so prompt lookup finds continuations
+NEW = 3  # new tokens compared (V ** NEW = 512 sequences)
+ROWS = 4096  # samples: rows of one generate call
+# temperature, top-k and top-p together: a q missing any of them is not the distribution the drafter sampled
+SAMPLING = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)
+
+
+def _target_distribution(sampling: SamplingConfig) -> dict[tuple, float]:
+    """p(y_1..y_NEW | PROMPT) for every y in V^NEW, from one forward over all of them."""
+    seqs = np.array(list(itertools.product(range(V), repeat=NEW)), np.int32)  # [S, NEW]
+    ids = jnp.asarray(np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1))  # [S, P + NEW]
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    probs = np.asarray(target_probs(forward(TARGET, CFG, ids, positions).logits, sampling), np.float64)  # [S, L, V]
+    p = len(PROMPT)
+    steps = probs[np.arange(len(seqs))[:, None], p - 1 + np.arange(NEW)[None], seqs]  # [S, NEW]
+    return {tuple(s): float(x) for s, x in zip(seqs.tolist(), steps.prod(axis=1))}
+
+
+def _p_value(token_ids: list[list[int]], expected: dict[tuple, float]) -> float:
+    """Chi-square p-value of the observed first-NEW-token sequences against `expected` (cells with fewer than 5
+    expected counts pooled into one)."""
+    counts: dict[tuple, int] = {}
+    for row in token_ids:
+        counts[tuple(row[:NEW])] = counts.get(tuple(row[:NEW]), 0) + 1
+    assert all(expected.get(k, 0.0) > 0 for k in counts), "a sequence the target can never emit came out"
+    n = len(token_ids)
+    big = [k for k, p in expected.items() if p * n >= 5]
+    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    wanted = [expected[k] * n for k in big] + [n - sum(expected[k] * n for k in big)]
+    if wanted[-1] < 1e-6 * n:  # nothing pooled
+        observed, wanted = observed[:-1], wanted[:-1]
+    wanted = np.asarray(wanted) * (n / np.sum(wanted))  # the float32 probabilities sum to 1 within 1e-6
+    return float(stats.chisquare(observed, wanted).pvalue)
+
+
+def _drafters():
+    """(label, drafter, params): every drafter of the speculative loop on the tiny target (learned heads untrained,
+    their random matrices scaled so that their q is far from uniform)."""
+    from jaxspec.drafters.eagle import Eagle3Config
+    from jaxspec.drafters.medusa import MedusaConfig
+    from jaxspec.drafters.parallel import ParallelHeadConfig
+
+    counts = np.arange(V)[::-1].copy()  # draft vocabulary: the 6 lowest ids (6 and 7 are never drafted)
+    eagle = Eagle3Config(feature_layers=(0, 1), draft_vocab_size=6, depth=3, top_k=2, num_nodes=5, init_scale=0.5)
+    out = [
+        ("draft-model chain (sampled, q kept)", DraftModelDrafter(depth=3, draft_cfg=CFG), DRAFT),
+        ("draft-model tree (top-2 siblings)", DraftModelDrafter(depth=2, tree_width=2, draft_cfg=CFG), DRAFT),
+        ("early-exit chain", EarlyExitDrafter(depth=2, exit_layer=1), None),
+        ("prompt lookup", PromptLookupDrafter(depth=3), None),
+        ("eagle3 dynamic tree", eagle.for_target(CFG).make_drafter(),
+         eagle.init_params(CFG, TARGET, jax.random.key(3), counts)),
+        ("medusa", MedusaConfig(num_heads=2, choices=((0,), (1,), (0, 0), (0, 1))).make_drafter(),
+         MedusaConfig(num_heads=2).init_params(CFG, TARGET)),
+    ]
+    for mode, attention in (("dflash", "bidirectional"), ("ddtree", "bidirectional"), ("jetspec", "tree_causal")):
+        head = ParallelHeadConfig(attention=attention, feature_layers=(0, 1), draft_vocab_size=6, block_size=3,
+                                  budget=5, tree_width=2, refresh_steps=1, init_scale=0.5).for_target(CFG)
+        out.append((mode, head.make_drafter(mode), head.init_params(CFG, TARGET, jax.random.key(4), counts)))
+    return out
+
+
+DRAFTERS = _drafters()
+
+
+def _sampled_rows(drafter, params, seed=0) -> list[list[int]]:
+    result = speculative_generate(TARGET, CFG, drafter, params, [PROMPT] * ROWS, max_new_tokens=NEW,
+                                  sampling=SAMPLING, seed=seed, eos_ids=())
+    return result.token_ids
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return _target_distribution(SAMPLING)
+
+
+def test_the_target_distribution_is_far_from_one_hot(expected):
+    """The check has power only where the target hesitates: its most likely sequence has well under half the mass,
+    and the draft model's first-token distribution is not the target's."""
+    assert abs(sum(expected.values()) - 1) < 1e-5
+    assert max(expected.values()) < 0.5 and sum(p > 0.01 for p in expected.values()) >= 10
+    ids = jnp.asarray([PROMPT])
+    positions = jnp.arange(len(PROMPT))[None]
+    p, q = (np.asarray(target_probs(forward(w, CFG, ids, positions).logits, SAMPLING)[0, -1]) for w in (TARGET, DRAFT))
+    assert 0.5 * np.abs(p - q).sum() > 0.2
+
+
+@pytest.mark.parametrize("label,drafter,params", DRAFTERS, ids=[d[0] for d in DRAFTERS])
+def test_sampled_output_follows_the_target_distribution(label, drafter, params, expected):
+    assert _p_value(_sampled_rows(drafter, params), expected) > 1e-3, label
+
+
+def test_a_drafter_reporting_the_wrong_q_is_caught(monkeypatch, expected):
+    """The same check on a draft-model chain whose reported q keeps mass on tokens top-k / top-p removed (it still
+    samples from the processed q): the output distribution moves, and the test sees it."""
+    import jaxspec.drafters.draft_model as draft_model
+
+    real = draft_model.draft_chain
+
+    def unfiltered_q(*args, **kwargs):
+        tree, carry = real(*args, **kwargs)
+        q = tree.draft_probs + 0.3 / V  # [B, T, V]: mass where the sampler never draws
+        return dataclasses.replace(tree, draft_probs=q / q.sum(-1, keepdims=True)), carry
+
+    monkeypatch.setattr(draft_model, "draft_chain", unfiltered_q)
+    jax.clear_caches()  # the loop compiled for this drafter above must be traced again, with the broken q
+    drafter = DraftModelDrafter(depth=3, draft_cfg=CFG)
+    assert _p_value(_sampled_rows(drafter, DRAFT), expected) < 1e-6
