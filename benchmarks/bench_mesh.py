@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     from tqdm import tqdm
 
+    from jaxspec.arguments import dtype_from_name
     from jaxspec.bench import mesh_label
-    from jaxspec.cli import dtype_from_name
     from jaxspec.errors import UserError
     from jaxspec.loading import load_model
     from jaxspec.methods import METHODS, MethodOptions, build_method

@@ -106,7 +106,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     Returns:
         The `bench` parser.
     """
-    from jaxspec.cli import add_method_args, add_model_args
+    from jaxspec.arguments import add_method_args, add_model_args
 
     # "resolve": --num-draft-tokens below replaces the single-integer option of add_method_args with a list.
     p = subparsers.add_parser("bench", help="benchmark methods against autoregressive decoding on prompt sets",
@@ -652,7 +652,7 @@ def _check_args(args) -> None:
         raise UserError(f"--batch-sizes must be at least 1, got {args.batch_sizes}.")
     if min(args.temperatures) < 0:
         raise UserError(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}.")
-    from jaxspec.cli import check_mesh_arg
+    from jaxspec.arguments import check_mesh_arg
 
     check_mesh_arg(args)
 
@@ -676,7 +676,7 @@ def _check_mesh_batches(args, prompt_sets: Mapping[str, Sequence]) -> None:
 
 def build_methods(target: LoadedModel, args) -> list[Method]:
     """Autoregressive, then each requested method once per K of --num-draft-tokens (once with its default K)."""
-    from jaxspec.cli import method_options
+    from jaxspec.arguments import method_options
     from jaxspec.methods import PARALLEL_METHODS, MethodOptions
 
     methods = [build_method(BASELINE, target, MethodOptions(mesh=getattr(args, "mesh", None)))]
@@ -725,7 +725,7 @@ def cmd_bench(args) -> None:
     """Runs `jaxspec bench`: loads the model and prompt sets, runs `run_bench`, prints the table, writes outputs."""
     import jax
 
-    from jaxspec.cli import dtype_from_name
+    from jaxspec.arguments import dtype_from_name
     from jaxspec.loading import load_model
     from jaxspec.prompts import load_prompt_set
     from jaxspec.tokenizer import encode_prompt

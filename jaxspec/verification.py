@@ -30,7 +30,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.model import ForwardOutput, Weights
 from jaxspec.sampling import SamplingConfig, target_probs, vocab_offset, vocab_one_hot, vocab_pick, vocab_sum
 from jaxspec.sharding import DATA, MODEL, forward_on_mesh
-from jaxspec.tree import DraftTree, ancestor_mask, tree_positions
+from jaxspec.tree import DraftTree, ancestor_mask
 
 
 @jax.tree_util.register_dataclass
@@ -61,9 +61,9 @@ def verify_forward(
     the forward is tensor-parallel under shard_map, each row's tree mask built on the device that holds the row.
     """
     tokens = jnp.concatenate([root[:, None], tree.tokens], axis=1)  # [B, T+1]
-    positions = tree_positions(tree.parents, cache.lengths)  # [B, T+1]
-    return forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, ancestor_mask(tree.parents),
-                           hidden_layers=hidden_layers)
+    mask = ancestor_mask(tree.parents)  # [B, T+1, T+1], built once: the depths are its row sums
+    positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1  # [B, T+1]: length + depth
+    return forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, mask, hidden_layers=hidden_layers)
 
 
 def acceptance_probability(residual: jax.Array, q: jax.Array, token: jax.Array,

@@ -254,7 +254,7 @@ def test_regenerate_command_on_smollm2(smollm2, tmp_path, monkeypatch):
         pytest.skip(f"ShareGPT is not installed: {SHAREGPT_INSTALL}")
     import jaxspec.loading
     from jaxspec.tokenizer import encode_prompt
-    from train.regenerate import add_regenerate_parser, cmd_regenerate
+    from jaxspec.training.regenerate import add_regenerate_parser, cmd_regenerate
 
     monkeypatch.setattr(jaxspec.loading, "load_model", lambda *a, **k: smollm2)  # loaded once per session
     parser = argparse.ArgumentParser()

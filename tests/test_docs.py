@@ -26,7 +26,7 @@ REQUIRED = (
     "jaxspec.speculative.speculative_generate", "jaxspec.pipeline.pipeline_generate", "jaxspec.sharding.make_mesh",
     "jaxspec.sharding.forward_on_mesh", "jaxspec.model.forward", "jaxspec.sampling.SamplingConfig",
     "jaxspec.verification.accept", "jaxspec.checkpoint.save_drafter", "jaxspec.checkpoint.load_drafter",
-    "jaxspec.bench.run_bench", "jaxspec.metrics.tau", "train.distill.train",
+    "jaxspec.bench.run_bench", "jaxspec.metrics.tau", "jaxspec.training.distill.train",
 )
 
 
@@ -292,7 +292,7 @@ def test_architecture_table_paths_exist(table_paths):
 def test_architecture_table_names_every_module(table_paths):
     named = {os.path.normpath(p) for p in table_paths}
     modules = []
-    for folder in ("jaxspec", os.path.join("jaxspec", "drafters"), "train"):
+    for folder in ("jaxspec", os.path.join("jaxspec", "drafters"), os.path.join("jaxspec", "training")):
         for f in sorted(os.listdir(os.path.join(ROOT, folder))):
             if f.endswith(".py") and f not in ("__init__.py", "__main__.py"):
                 modules.append(os.path.join(folder, f))

@@ -362,7 +362,7 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
     from jaxspec.data import RegeneratedDataset
     from jaxspec.drafters.eagle import eagle3_loss, response_token_counts
     from jaxspec.methods import MethodOptions, build_method
-    from train.distill import target_features, train
+    from jaxspec.training.distill import target_features, train
 
     target, data = tiny_data
     drafter_cfg = {"draft_vocab_size": 64, "depth": 3, "top_k": 2, "num_nodes": 5, "ttt_steps": 3}
@@ -427,7 +427,7 @@ def test_eagle1_training_regresses_features_with_the_target_lm_head_frozen(tiny_
     from jaxspec.configs import TrainConfig, from_dict
     from jaxspec.errors import UserError
     from jaxspec.methods import MethodOptions, build_method
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     target, data = tiny_data
     config = from_dict(TrainConfig, {
@@ -446,7 +446,7 @@ def test_eagle1_training_regresses_features_with_the_target_lm_head_frozen(tiny_
     np.testing.assert_array_equal(np.asarray(params.lm_head), shared)  # the target's LM head (permuted), frozen
     from jaxspec.data import RegeneratedDataset
     from jaxspec.drafters.eagle import eagle1_config, eagle3_loss
-    from train.distill import target_features
+    from jaxspec.training.distill import target_features
 
     batch = next(RegeneratedDataset(data).batches(16, 32, seed=1))
     tokens = jnp.asarray(batch["tokens"])

@@ -264,7 +264,7 @@ def trained_heads(tiny_data, tmp_path_factory):
     import os
 
     from jaxspec.configs import TrainConfig, from_dict
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     target, data = tiny_data
     heads = {}

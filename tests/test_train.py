@@ -33,7 +33,7 @@ def _config(data_path, out_dir, **run):
 
 
 def test_training_produces_a_drafter_and_logs(tiny_data, tmp_path):
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     target, data = tiny_data
     summary = train(_config(data, str(tmp_path / "run")), progress=False)
@@ -44,7 +44,7 @@ def test_training_produces_a_drafter_and_logs(tiny_data, tmp_path):
     # on a fixed batch, every position: the trained heads are closer to the target than the initial ones
     from jaxspec.data import RegeneratedDataset
     from jaxspec.drafters.medusa import init_medusa_params, medusa_loss
-    from train.distill import target_features
+    from jaxspec.training.distill import target_features
 
     batch = next(RegeneratedDataset(data).batches(16, 32, seed=1))
     feats = target_features(target.weights, target.config, jax.numpy.asarray(batch["tokens"]), ())
@@ -64,7 +64,7 @@ def test_training_produces_a_drafter_and_logs(tiny_data, tmp_path):
 
 
 def test_resumed_training_equals_uninterrupted(tiny_data, tmp_path):
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     _, data = tiny_data
     whole = train(_config(data, str(tmp_path / "whole"), eval_every=0), progress=False)
@@ -77,7 +77,7 @@ def test_resumed_training_equals_uninterrupted(tiny_data, tmp_path):
 
 
 def test_a_drafter_for_another_target_is_refused(tiny_data, tmp_path):
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     _, data = tiny_data
     summary = train(_config(data, str(tmp_path / "run"), steps=2, eval_every=0), progress=False)
@@ -87,7 +87,7 @@ def test_a_drafter_for_another_target_is_refused(tiny_data, tmp_path):
 
 
 def test_data_from_another_target_is_refused(tiny_data, tmp_path):
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     _, data = tiny_data
     config = _config(data, str(tmp_path / "run"))
@@ -121,7 +121,7 @@ from jaxspec.configs import TrainConfig, from_dict, make_optimizer
 from jaxspec.data import RegeneratedDataset
 from jaxspec.loading import load_model
 from jaxspec.sharding import make_mesh
-from train.distill import _shardings, make_train_step, trainable_for
+from jaxspec.training.distill import _shardings, make_train_step, trainable_for
 
 config = from_dict(TrainConfig, json.loads({config!r}))
 target = load_model(config.target)
@@ -173,7 +173,7 @@ def test_untrained_medusa_is_greedy_exact(tiny_data):
 def test_cached_features_train_like_features_computed_in_the_step(tiny_data, tmp_path):
     """data.cache_features: the target runs once over the data set; the run ends with the same parameters."""
     from jaxspec.configs import to_dict
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     _, data = tiny_data
     plain = train(_config(data, str(tmp_path / "plain"), steps=3, eval_every=0), progress=False)
@@ -188,7 +188,7 @@ def test_cached_features_train_like_features_computed_in_the_step(tiny_data, tmp
 def test_spd_drafter_trains_through_the_pipeline_and_decodes_exactly(tiny_data, tmp_path):
     """`jaxspec train` for SPD on the tiny target: the loss falls, the evaluation reports L'acc, and the saved drafter
     loads as `--method spd` and decodes exactly like autoregressive decoding (3 stages of one layer)."""
-    from train.distill import train
+    from jaxspec.training.distill import train
 
     target, data = tiny_data
     config = _config(data, str(tmp_path / "spd"), steps=12, eval_every=12)
@@ -210,7 +210,7 @@ def test_features_saved_at_regeneration_train_without_running_the_target(tiny_da
     """A regeneration with --feature-layers covering EAGLE-3's layers and the last one: training reads the saved
     features (the target's feature forward is never called) and its losses equal those of features computed inside
     the step on the same tokens, to the bfloat16 rounding of the saved features."""
-    import train.distill as distill
+    import jaxspec.training.distill as distill
     from jaxspec.configs import to_dict
     from jaxspec.data import regenerate_ids
     from jaxspec.drafters.eagle import Eagle3Config
