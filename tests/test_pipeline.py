@@ -323,7 +323,7 @@ MESH_CASES = [(2, 2, "ppsd"), (3, 3, "spd"), (3, 6, "ppsd")]
 
 
 @pytest.fixture(scope="module")
-def child_results(smollm2):
+def child_results():
     return run_child(__file__, NUM_FAKE_DEVICES, timeout=1800)
 
 
@@ -344,16 +344,21 @@ def test_mesh_executor_logits_equal_one_device(child_results):
 
 
 def _child() -> dict:
-    from jaxspec import load_model
+    from test_sharding import random_weights, tiny_config
+
+    from jaxspec.loading import LoadedModel
     from jaxspec.methods import MethodOptions, build_method
 
     assert len(jax.devices()) == NUM_FAKE_DEVICES, jax.devices()
     jax.config.update("jax_default_matmul_precision", "highest")
-    target = load_model("smollm2-135m")
+    # a tiny random 6-layer model (stage counts 2, 3 and 6 divide it): the stage layout is under test, not the
+    # model, and SmolLM2 cost minutes of compilation per case on fake devices
+    cfg = dataclasses.replace(tiny_config("llama", 4), num_layers=6, max_position_embeddings=256)
     # weights committed to one device, as after a user's device_put: the mesh methods must still take them
-    target = dataclasses.replace(target, weights=jax.device_put(target.weights, jax.devices()[0]))
-    cfg, weights = target.config, target.weights
-    prompts = [target.tokenizer.encode(text) for text in ("The capital of France is", "def add(a, b):")]
+    weights = jax.device_put(random_weights(cfg, seed=5), jax.devices()[0])
+    target = LoadedModel(config=cfg, weights=weights, tokenizer=None, source="tiny-llama-6-layers")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (6, 11)]
     new = 12
     results = {"autoregressive": generate(weights, cfg, prompts, max_new_tokens=new, eos_ids=()).token_ids,
                "mesh": {}, "one_device": {}, "executor": {}}
