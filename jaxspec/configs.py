@@ -421,6 +421,8 @@ class RunConfig:
     eval_every: int = 0  # acceptance evaluation interval; 0 disables it
     eval_prompts: int = 16  # held-out prompts used by each evaluation
     log_every: int = 10  # metrics line interval
+    init_from: str | None = None  # a drafter folder (same method, target and drafter settings) whose parameters
+    # start a fresh run (fine-tuning on more data, or with a new schedule); ignored when the run resumes
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "save_every", "keep_checkpoints", "log_every"):

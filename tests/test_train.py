@@ -86,6 +86,29 @@ def test_a_drafter_for_another_target_is_refused(tiny_data, tmp_path):
         build_method("medusa", other, MethodOptions(drafter=summary["drafter"]))
 
 
+def test_a_run_can_start_from_a_trained_drafter(tiny_data, tmp_path):
+    from jaxspec.training.distill import train
+
+    _, data = tiny_data
+    first = train(_config(data, str(tmp_path / "first"), steps=2, eval_every=0), progress=False)
+    # one step of a fine-tuning run at a near-zero learning rate stays at the first run's parameters
+    config = _config(data, str(tmp_path / "second"), steps=1, eval_every=0, init_from=first["drafter"])
+    plain = json.loads(json.dumps(_to_plain(config)))
+    plain["optim"].update(learning_rate=1e-12, warmup_steps=0, schedule="constant")
+    second = train(from_dict(TrainConfig, plain), progress=False)
+    for a, b in zip(jax.tree.leaves(first["params"]), jax.tree.leaves(second["params"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-8)
+    fresh = train(from_dict(TrainConfig, {**plain, "run": {**plain["run"], "init_from": None,
+                                                           "out_dir": str(tmp_path / "fresh")}}), progress=False)
+    assert any(not np.allclose(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(first["params"]), jax.tree.leaves(fresh["params"]), strict=True))
+    # a drafter trained with other settings is refused before any step
+    plain["drafter"]["choices"] = [[0], [1]]
+    plain["run"]["out_dir"] = str(tmp_path / "third")
+    with pytest.raises(UserError, match="other drafter settings.*choices"):
+        train(from_dict(TrainConfig, plain), progress=False)
+
+
 def test_data_from_another_target_is_refused(tiny_data, tmp_path):
     from jaxspec.training.distill import train
 

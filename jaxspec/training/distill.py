@@ -172,6 +172,23 @@ def maybe_initialize_distributed() -> None:
         jax.distributed.initialize()
 
 
+def _initial_params(directory: str, method: str, method_cfg, target, params):
+    """The parameters of the drafter in `directory`, checked to be this run's method, target and drafter settings."""
+    from jaxspec.checkpoint import load_drafter
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    meta, loaded = load_drafter(directory, expected_method=method, target_fingerprint=target.fingerprint(),
+                                target_source=target.source, abstract_params=abstract)
+    ours = to_dict(method_cfg)
+    differing = sorted(k for k in ours if k in meta["config"] and meta["config"][k] != ours[k])
+    if differing:
+        saved = meta["config"]
+        listed = ", ".join(f"{k}: {saved[k]} there, {ours[k]} here" for k in differing)
+        raise UserError(f"run.init_from '{directory}' was trained with other drafter settings ({listed}); "
+                        "use the same drafter settings or start from scratch (remove run.init_from).")
+    return loaded
+
+
 def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None = None) -> dict:
     """Runs (or resumes) a training run; returns a summary. `stop_after` ends early after that many steps of this
     call (used by tests to simulate an interruption)."""
@@ -197,6 +214,8 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     key = jax.random.key(run.seed)
     init_data = (dataset,) if trainable.init_uses_data else ()
     params = trainable.init_params(method_cfg, target, jax.random.fold_in(key, 1), *init_data)
+    if run.init_from:
+        params = _initial_params(run.init_from, config.method, method_cfg, target, params)
     optimizer = make_optimizer(config.optim, run.steps)
     opt_state = optimizer.init(params)
     layers = tuple(trainable.target_layers(method_cfg, target.config))
