@@ -25,6 +25,7 @@ The core, `run_bench`, takes token ids, so it runs on any target (the tests use 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -639,6 +640,7 @@ def _check_args(args) -> None:
             raise UserError(f"Unknown method '{name}' in --methods; choose from {', '.join(METHODS)}.")
         if has_drafter and name not in LEARNED_METHODS:
             raise UserError(f"'{spec}': only learned methods ({', '.join(LEARNED_METHODS)}) take a drafter.")
+    _check_flags_apply(args)
     for name in args.prompt_sets:
         if name not in PROMPT_SETS:
             raise UserError(f"Unknown prompt set '{name}' in --prompt-sets; choose from {', '.join(PROMPT_SETS)}.")
@@ -655,6 +657,23 @@ def _check_args(args) -> None:
     from jaxspec.arguments import check_mesh_arg
 
     check_mesh_arg(args)
+
+
+def _check_flags_apply(args) -> None:
+    """Refuses a method flag that none of the --methods takes (it would change nothing)."""
+    from jaxspec.methods import MethodOptions
+    from jaxspec.registry import METHOD_SPECS, OPTION_FLAGS, method_spec
+
+    specs = [method_spec(entry.partition("=")[0]) for entry in args.methods]
+    for field, flag in OPTION_FLAGS.items():
+        value = getattr(args, field, None)
+        default = MethodOptions.__dataclass_fields__[field].default
+        if field in ("num_draft_tokens", "budget") and value is not None and len(value) == 0:
+            continue
+        if value is not None and value != default and not any(field in s.options for s in specs):
+            takers = [s.name for s in METHOD_SPECS.values() if field in s.options]
+            raise UserError(f"{flag} applies to none of --methods {','.join(args.methods)}; it is for "
+                            f"{', '.join(takers)}.")
 
 
 def _check_mesh_batches(args, prompt_sets: Mapping[str, Sequence]) -> None:
@@ -674,33 +693,45 @@ def _check_mesh_batches(args, prompt_sets: Mapping[str, Sequence]) -> None:
                     f"sizes and a --limit that are multiples of {data}.")
 
 
+def _options_for(spec, options):
+    """`options` with what `spec` does not take set back to its defaults: in a bench over several methods, a flag
+    applies to the methods that take it (`_check_args` refuses one that none of them takes)."""
+    from jaxspec.methods import MethodOptions
+    from jaxspec.registry import OPTION_FLAGS
+
+    defaults = {f: MethodOptions.__dataclass_fields__[f].default for f in OPTION_FLAGS if f not in spec.options}
+    return dataclasses.replace(options, **defaults)
+
+
 def build_methods(target: LoadedModel, args) -> list[Method]:
-    """Autoregressive, then each requested method once per K of --num-draft-tokens (once with its default K)."""
+    """Autoregressive, then each requested method once per K of --num-draft-tokens and per --budget where it takes
+    them (once with its defaults otherwise)."""
     from jaxspec.arguments import method_options
-    from jaxspec.methods import PARALLEL_METHODS, MethodOptions
+    from jaxspec.methods import MethodOptions
+    from jaxspec.registry import method_spec
 
     methods = [build_method(BASELINE, target, MethodOptions(mesh=getattr(args, "mesh", None)))]
     ks = args.num_draft_tokens or [None]
     budgets = getattr(args, "budget", None) or [None]
-    for spec in args.methods:
-        name, _, drafter = spec.partition("=")  # "medusa=runs/x/drafter" or "medusa=untrained" picks the drafter
+    for entry in args.methods:
+        name, _, drafter = entry.partition("=")  # "medusa=runs/x/drafter" or "medusa=untrained" picks the drafter
         if name == BASELINE:
             continue
-        sweep = budgets if name in (*PARALLEL_METHODS, "eagle2", "eagle3") else [None]
-        for k in ks:
-            for budget in sweep:
+        spec = method_spec(name)
+        for k in ks if "num_draft_tokens" in spec.options else [None]:
+            for budget in budgets if spec.auto is not None else [None]:
                 overrides = {"num_draft_tokens": k, "budget": None, **({"drafter": drafter} if drafter else {})}
-                if budget is not None and name in PARALLEL_METHODS:
+                if budget is not None and spec.auto == "budget":
                     block = None
-                    if name == "dflash" and budget != "auto":  # a chain: at most the block size
-                        block = _dflash_block_size(target, drafter or None)
+                    if spec.chain_budget and budget != "auto":  # a chain: at most the block size
+                        block = _dflash_block_size(target, name, drafter or None)
                     overrides["budget"] = budget if block is None else min(budget, block)
-                elif budget is not None:
-                    if budget == "auto":  # eagle2/eagle3: the tree shape chosen per batch size (also their default)
+                elif budget is not None:  # the EAGLE trees: auto (also their default) or N nodes
+                    if budget == "auto":
                         overrides["budget"] = "auto"
                     else:
                         overrides["tree_nodes"] = budget
-                options = method_options(argparse.Namespace(**{**vars(args), **overrides}))
+                options = _options_for(spec, method_options(argparse.Namespace(**{**vars(args), **overrides})))
                 method = build_method(name, target, options)
                 if drafter:
                     label = "untrained" if drafter == "untrained" else os.path.basename(os.path.dirname(
@@ -714,11 +745,11 @@ def build_methods(target: LoadedModel, args) -> list[Method]:
     return methods
 
 
-def _dflash_block_size(target: LoadedModel, drafter: str | None) -> int:
-    """The block size of the DFlash head a --methods entry names (the shipped or given checkpoint)."""
+def _dflash_block_size(target: LoadedModel, name: str, drafter: str | None) -> int:
+    """The block size of the block head a --methods entry names (the shipped or given checkpoint)."""
     from jaxspec.methods import MethodOptions, load_learned_drafter
 
-    return load_learned_drafter("dflash", target, drafter, MethodOptions(drafter=drafter))[0].block_size
+    return load_learned_drafter(name, target, drafter, MethodOptions(drafter=drafter))[0].block_size
 
 
 def cmd_bench(args) -> None:

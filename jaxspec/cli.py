@@ -72,10 +72,15 @@ def _generate_padded(method, rows, **options):
 
 def build_parser() -> argparse.ArgumentParser:
     from jaxspec.methods import METHODS
+    from jaxspec.registry import METHOD_SPECS
 
     parser = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding for LLMs in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text with a target model")
+    methods = "\n".join(f"  {s.name:15} {s.summary}" + (f" ({', '.join(s.flags())})" if s.options else "")
+                         for s in METHOD_SPECS.values())
+    gen = sub.add_parser("generate", help="generate text with a target model",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=f"methods (the options each takes in parentheses):\n{methods}")
     add_model_args(gen)
     _add_generation_args(gen)
     gen.add_argument("--method", choices=METHODS, default="autoregressive", help="decoding method")

@@ -1,6 +1,8 @@
-"""Method names -> drafters, so the CLI, the benchmark and notebooks build methods one way.
+"""Method names -> ready methods, so the CLI, the benchmark, the notebooks and the tests build methods one way.
 
-`autoregressive` is the baseline (no drafter). Every other method is a drafter on the one decoding loop.
+What each method is (its family, drafter checkpoint, options, automatic sizing) is its entry in
+`jaxspec.registry`; this module holds one builder per family. `autoregressive` is the baseline (no drafter); every
+other method is a drafter on the one speculative decoding loop, or (ppsd, spd) on the pipeline loop.
 """
 
 from __future__ import annotations
@@ -13,19 +15,12 @@ from typing import Any
 from jaxspec.errors import UserError
 from jaxspec.generate import GenerationResult, generate
 from jaxspec.loading import LoadedModel, load_model
+from jaxspec.registry import METHOD_SPECS, OPTION_FLAGS, MethodSpec, method_names, method_spec
 from jaxspec.sampling import GREEDY, SamplingConfig
 from jaxspec.speculative import speculative_generate
 
-METHODS = ("autoregressive", "draft-model", "prompt-lookup", "early-exit", "medusa", "eagle", "eagle2", "eagle3",
-           "dflash", "ddtree", "jetspec", "ppsd", "spd")
-LEARNED_METHODS = ("medusa", "eagle", "eagle2", "eagle3", "dflash", "ddtree", "jetspec", "spd")
-# pipeline decoding (jaxspec.pipeline): the target's layers as --num-stages stages, one token per stage in flight
-PIPELINE_METHODS = ("ppsd", "spd")
-# The checkpoint each learned method reads: EAGLE-2 is the EAGLE-1 head with dynamic trees; DDTree drafts trees from
-# the DFlash block head.
-CHECKPOINT_METHOD = {"medusa": "medusa", "eagle": "eagle", "eagle2": "eagle", "eagle3": "eagle3",
-                     "dflash": "dflash", "ddtree": "dflash", "jetspec": "jetspec", "spd": "spd"}
-PARALLEL_METHODS = ("dflash", "ddtree", "jetspec")
+METHODS = tuple(METHOD_SPECS)  # every --method name, in registry order
+LEARNED_METHODS = method_names(learned=True)  # those that read a drafter checkpoint
 # --budget auto chooses among these (jaxspec.budget)
 AUTO_BUDGETS = (8, 16, 32, 64)
 SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters", "shipped")
@@ -55,17 +50,20 @@ class MethodOptions:
         return (self.num_draft_tokens, self.tree_width, self.tree_nodes) != (None, None, None)
 
 
-DEFAULT_DRAFT_TOKENS = {"draft-model": 4, "prompt-lookup": 4, "early-exit": 3}
+def _given(options: MethodOptions, field: str) -> bool:
+    """Whether option `field` differs from its default (was given)."""
+    return getattr(options, field) != MethodOptions.__dataclass_fields__[field].default
 
 
 @dataclasses.dataclass
 class Method:
     """A ready method: `drafter` is None for autoregressive decoding."""
 
-    name: str
+    name: str  # the registry name (jaxspec bench may add a label, e.g. eagle3[auto])
     drafter: Any
     params: Any
     target: LoadedModel
+    spec: MethodSpec | None = None  # its registry entry
     cost_model: Any = None  # --budget auto: the device's verification cost model (jaxspec.budget.CostModel)
     # eagle2/eagle3 with --budget auto (their default): the head's measured draft ranks along text the target
     # generated, int[P, D] (jaxspec.drafters.eagle.draft_ranks), from which each tree shape's tau follows
@@ -125,7 +123,7 @@ class Method:
         from jaxspec.budget import choose_budget
 
         cost, cfg, drafter = self.cost_model, self.target.config, self.drafter
-        budgets = [min(b, drafter.block_size) for b in AUTO_BUDGETS] if drafter.mode == "dflash" else AUTO_BUDGETS
+        budgets = [min(b, drafter.block_size) for b in AUTO_BUDGETS] if self.spec.chain_budget else AUTO_BUDGETS
 
         def draft_seconds(rows: int, budget: int) -> float:
             layers = dataclasses.replace(drafter, budget=budget).draft_cost_layers(cfg)
@@ -160,7 +158,7 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
         return _build_method(name, target, options)
     from jaxspec.sharding import check_divisible, make_mesh, parse_mesh, replicate_on_mesh, shard_weights
 
-    if name in PIPELINE_METHODS and options.stage_devices != 1:
+    if method_spec(name).pipeline and options.stage_devices != 1:
         raise UserError(f"{name}: give either --stage-devices (the stages on devices) or --mesh (rows and tensor "
                         "parallelism, the stages emulated on each device group), not both.")
     mesh = make_mesh(*parse_mesh(options.mesh))
@@ -187,118 +185,104 @@ def _splits(cfg, mesh) -> bool:
 
 def check_method_options(name: str, options: MethodOptions) -> None:
     """Refuses settings that cannot work for method `name` with a clear error; needs no model, so the CLI runs it
-    before loading one. (Checks that need the target or the drafter run when the method is built.)"""
-    if name not in METHODS:
-        raise UserError(f"Unknown method '{name}'; choose one of {', '.join(METHODS)}.")
-    if name == "autoregressive":
-        return
-    if name in PIPELINE_METHODS:
-        for flag, value in (("--num-draft-tokens", options.num_draft_tokens), ("--tree-nodes", options.tree_nodes),
-                            ("--budget", options.budget), ("--exit-layer", options.exit_layer),
-                            ("--refresh-steps", options.refresh_steps)):
-            if value is not None:
-                raise UserError(f"{flag} does not apply to {name}: a pipeline drafts one token per step, with "
-                                "--tree-width W - 1 siblings (docs/spd.md); set --num-stages and --tree-width.")
-        if options.tree_width is not None and options.tree_width < 1:
-            raise UserError(f"--tree-width must be at least 1, got {options.tree_width}.")
-        if name == "ppsd" and options.drafter is not None:
-            raise UserError("ppsd drafts with the target's own first stage and LM head; it takes no --drafter.")
-        if options.stage_devices < 1:
-            raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
-        return
-    if options.num_stages is not None or options.stage_devices != 1:
-        raise UserError(f"--num-stages and --stage-devices are for the pipeline methods (ppsd, spd), not {name}.")
-    if name in LEARNED_METHODS:
-        if name == "medusa" and (options.tree_width is not None or options.tree_nodes is not None):
-            raise UserError("Medusa drafts the fixed tree of its drafter.choices; --tree-width and --tree-nodes do not "
-                            "apply.")
-        dynamic_tree = name in ("eagle2", "eagle3")
-        if dynamic_tree and options.budget not in (None, "auto"):
-            raise UserError(f"{name} takes --budget auto (the default) or its tree by hand with --num-draft-tokens, "
-                            "--tree-width and --tree-nodes, not a number.")
-        if name not in PARALLEL_METHODS and not dynamic_tree and (options.budget is not None
-                                                                  or options.refresh_steps is not None):
-            raise UserError(f"--budget and --refresh-steps are for dflash, ddtree, jetspec (and --budget auto for "
-                            f"eagle2, eagle3), not {name}.")
-        if dynamic_tree and options.refresh_steps is not None:
-            raise UserError(f"--refresh-steps is for jetspec, not {name}.")
-        if dynamic_tree and options.budget == "auto" and options.tree_by_hand:
-            raise UserError(f"{name}: give either --budget auto or the tree by hand (--num-draft-tokens, --tree-width, "
-                            "--tree-nodes), not both.")
-        return
-    k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
-    if k < 1:
-        raise UserError(f"--num-draft-tokens must be at least 1, got {k}.")
-    width = 1 if options.tree_width is None else options.tree_width
-    if options.tree_nodes is not None:
-        raise UserError(f"--tree-nodes is for the EAGLE dynamic trees (eagle2, eagle3), not {name}.")
-    if width < 1 or (name == "prompt-lookup" and width != 1):
-        raise UserError(
-            f"--tree-width {width} is not possible for {name}: use 1"
-            + (" (prompt lookup copies one continuation)." if name == "prompt-lookup" else " or more.")
-        )
-    if name == "prompt-lookup" and options.ngram < 1:
+    before loading one. (Checks that need the target or the drafter run when the method is built.)
+
+    An option the method's registry entry does not take is refused by name; the family's own rules check the values.
+    """
+    spec = method_spec(name)
+    for field, flag in OPTION_FLAGS.items():
+        if field not in spec.options and _given(options, field):
+            hint = f" ({spec.refusal_hint})" if spec.refusal_hint else ""
+            takes = ", ".join(spec.flags()) or "no method options"
+            raise UserError(f"{flag} does not apply to {name}{hint}; {name} takes {takes}.")
+    if options.tree_width is not None and options.tree_width < 1:
+        raise UserError(f"--tree-width must be at least 1, got {options.tree_width}.")
+    if options.num_draft_tokens is not None and options.num_draft_tokens < 1:
+        raise UserError(f"--num-draft-tokens must be at least 1, got {options.num_draft_tokens}.")
+    if options.stage_devices < 1:
+        raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
+    if options.ngram < 1:
         raise UserError(f"--ngram must be at least 1, got {options.ngram}.")
     if name == "draft-model" and options.draft_model is None:
         raise UserError(
             "The draft-model method needs --draft-model (a known name, .gguf file or Hugging Face folder of a smaller "
             "model with the target's tokenizer)."
         )
+    if spec.auto == "tree":
+        if options.budget not in (None, "auto"):
+            raise UserError(f"{name} takes --budget auto (the default) or its tree by hand with --num-draft-tokens, "
+                            "--tree-width and --tree-nodes, not a number.")
+        if options.budget == "auto" and options.tree_by_hand:
+            raise UserError(f"{name}: give either --budget auto or the tree by hand (--num-draft-tokens, --tree-width, "
+                            "--tree-nodes), not both.")
 
 
 def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
+    check_method_options(name, options)
+    spec = method_spec(name)
+    method = _BUILDERS[spec.family](spec, target, options)
+    method.spec = spec
+    return method
+
+
+def _build_baseline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
+    return Method(name=spec.name, drafter=None, params=None, target=target)
+
+
+def _build_training_free(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
+    """draft-model, prompt-lookup, early-exit: chains (or top-W trees) from a model or the text, no training."""
     from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
 
-    check_method_options(name, options)
-    if name == "autoregressive":
-        return Method(name=name, drafter=None, params=None, target=target)
-    if name in PIPELINE_METHODS:
-        return _pipeline_method(name, target, options)
-    if name in LEARNED_METHODS:
-        dynamic_tree = name in ("eagle2", "eagle3")
-        drafter, params = load_learned_drafter(name, target, options.drafter, options)
-        cost_model = tree_ranks = None
-        auto = options.budget == "auto" or (dynamic_tree and not options.tree_by_hand and options.mesh is None)
-        static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
-        if dynamic_tree and options.budget == "auto" and static_tree:
-            raise UserError(f"This {name} drafter drafts a fixed tree (its drafter.tree_choices); --budget auto sizes "
-                            "dynamic trees only.")
-        if auto and dynamic_tree and not static_tree:
-            from jaxspec.budget import EAGLE_TOKEN_COUNTS, load_or_measure_cost_model
-
-            # batch 1 now; other batch sizes when they are first used (Method.auto_tree)
-            cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
-            folder = options.drafter if options.drafter != "untrained" else None
-            folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
-            tree_ranks = measured_draft_ranks(target, drafter, params, folder)
-        elif auto and name in PARALLEL_METHODS:
-            from jaxspec.budget import load_or_measure_cost_model
-
-            # token counts up to the largest auto budget + 1 (the root)
-            cost_model = load_or_measure_cost_model(target, token_counts=(1, 9, 17, 33, 65))
-        return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
-                      tree_ranks=tree_ranks)
-    k = options.num_draft_tokens if options.num_draft_tokens is not None else DEFAULT_DRAFT_TOKENS[name]
+    k = options.num_draft_tokens if options.num_draft_tokens is not None else spec.default_draft_tokens
     width = 1 if options.tree_width is None else options.tree_width
-    if name == "prompt-lookup":
-        return Method(name=name, drafter=PromptLookupDrafter(depth=k, max_ngram=options.ngram), params=None,
+    if spec.name == "prompt-lookup":
+        return Method(name=spec.name, drafter=PromptLookupDrafter(depth=k, max_ngram=options.ngram), params=None,
                       target=target)
-    if name == "early-exit":
+    if spec.name == "early-exit":
         layer = options.exit_layer if options.exit_layer is not None else max(1, target.config.num_layers // 4)
         drafter = EarlyExitDrafter(depth=k, tree_width=width, exit_layer=layer)
         drafter.check_compatible(None, target.config)
-        return Method(name=name, drafter=drafter, params=None, target=target)
-    # draft-model
+        return Method(name=spec.name, drafter=drafter, params=None, target=target)
     draft = load_model(options.draft_model, dtype=target.weights.embed.dtype)
     drafter = DraftModelDrafter(depth=k, tree_width=width, draft_cfg=draft.config)
     drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
-    return Method(name=name, drafter=drafter, params=draft.weights, target=target)
+    return Method(name=spec.name, drafter=drafter, params=draft.weights, target=target)
 
 
-def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
+def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
+    """Medusa, the EAGLE family and the parallel heads: a trained drafter (or 'untrained'), with --budget auto."""
+    name = spec.name
+    dynamic_tree = spec.auto == "tree"
+    drafter, params = load_learned_drafter(name, target, options.drafter, options)
+    cost_model = tree_ranks = None
+    auto = options.budget == "auto" or (dynamic_tree and not options.tree_by_hand and options.mesh is None)
+    static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
+    if dynamic_tree and options.budget == "auto" and static_tree:
+        raise UserError(f"This {name} drafter drafts a fixed tree (its drafter.tree_choices); --budget auto sizes "
+                        "dynamic trees only.")
+    if auto and dynamic_tree and not static_tree:
+        from jaxspec.budget import EAGLE_TOKEN_COUNTS, load_or_measure_cost_model
+
+        # batch 1 now; other batch sizes when they are first used (Method.auto_tree)
+        cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
+        folder = options.drafter if options.drafter != "untrained" else None
+        folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
+        tree_ranks = measured_draft_ranks(target, drafter, params, folder)
+    elif auto and spec.auto == "budget":
+        from jaxspec.budget import load_or_measure_cost_model
+
+        # token counts up to the largest auto budget + 1 (the root)
+        cost_model = load_or_measure_cost_model(target, token_counts=(1, 9, 17, 33, 65))
+    return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
+                  tree_ranks=tree_ranks)
+
+
+def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
     """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
     from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, stage_mesh
     from jaxspec.sharding import replicate_on_mesh
+
+    name = spec.name
 
     width = 1 if options.tree_width is None else options.tree_width
     cfg = target.config
@@ -326,26 +310,18 @@ def _pipeline_method(name: str, target: LoadedModel, options: MethodOptions) -> 
 
 
 def _method_config(method: str, config: dict):
+    """The drafter config dataclass of a learned method from a checkpoint's settings (the method's fixed settings
+    first, the checkpoint's over them)."""
     from jaxspec.configs import from_dict
 
-    if method == "medusa":
-        from jaxspec.drafters.medusa import MedusaConfig
+    spec = method_spec(method)
+    if not spec.learned:
+        raise UserError(f"Method '{method}' has no learned drafter.")
+    return from_dict(spec.config_class(), {**spec.config_defaults, **config}, path="drafter")
 
-        return from_dict(MedusaConfig, config, path="drafter")
-    if method in ("eagle", "eagle2", "eagle3"):
-        from jaxspec.drafters.eagle import Eagle3Config
 
-        return from_dict(Eagle3Config, config, path="drafter")
-    if method in PARALLEL_METHODS:
-        from jaxspec.drafters.parallel import ParallelHeadConfig
-
-        attention = "tree_causal" if method == "jetspec" else "bidirectional"
-        return from_dict(ParallelHeadConfig, {"attention": attention, **config}, path="drafter")
-    if method == "spd":
-        from jaxspec.drafters.spd import SPDConfig
-
-        return from_dict(SPDConfig, config, path="drafter")
-    raise UserError(f"Method '{method}' has no learned drafter.")
+_BUILDERS = {"baseline": _build_baseline, "training-free": _build_training_free, "medusa": _build_learned,
+             "eagle": _build_learned, "parallel": _build_learned, "pipeline": _build_pipeline}
 
 
 def shipped_drafter(method: str, target: LoadedModel) -> str | None:
@@ -360,7 +336,7 @@ def shipped_drafter(method: str, target: LoadedModel) -> str | None:
         if not os.path.isdir(path):
             continue
         meta = read_drafter_meta(path)
-        if meta["method"] == CHECKPOINT_METHOD[method] and meta["target"].get("fingerprint") == fingerprint:
+        if meta["method"] == method_spec(method).checkpoint and meta["target"].get("fingerprint") == fingerprint:
             return path
     return None
 
@@ -370,10 +346,7 @@ def _tree_settings(method: str, cfg, options: MethodOptions):
     `eagle3` a dynamic tree with --num-draft-tokens (depth), --tree-width (top_k) and --tree-nodes overriding it."""
     from jaxspec.drafters.eagle import DEFAULT_STATIC_TREE
 
-    if method == "eagle":
-        if options.num_draft_tokens is not None or options.tree_width is not None or options.tree_nodes is not None:
-            raise UserError("The eagle method drafts EAGLE-1's static tree (drafter.tree_choices); for tree options "
-                            "use --method eagle2 (the same head with dynamic trees).")
+    if method == "eagle":  # tree options were refused by check_method_options
         return dataclasses.replace(cfg, tree_choices=cfg.tree_choices or DEFAULT_STATIC_TREE)
     overrides = {"tree_choices": None}
     for field, value in (("depth", options.num_draft_tokens), ("top_k", options.tree_width),
@@ -387,10 +360,8 @@ def _tree_settings(method: str, cfg, options: MethodOptions):
 
 
 def _parallel_drafter(method: str, cfg, options: MethodOptions):
-    """The DFlash / DDTree / JetSpec drafter of a head config with --budget, --tree-width and --refresh-steps."""
-    if options.num_draft_tokens is not None or options.tree_nodes is not None:
-        raise UserError(f"{method} takes --budget (drafted nodes per round; dflash: the chain length, at most the "
-                        "block size) and --tree-width, not --num-draft-tokens or --tree-nodes.")
+    """The DFlash / DDTree / JetSpec drafter of a head config with --budget, --tree-width and --refresh-steps (which
+    of them the method takes was checked by check_method_options)."""
     overrides = {}
     budget = options.budget
     if budget is not None and budget != "auto":
@@ -400,14 +371,10 @@ def _parallel_drafter(method: str, cfg, options: MethodOptions):
     if budget == "auto":
         overrides["budget"] = 16  # a placeholder: Method.generate picks the budget per batch size
     if options.tree_width is not None:
-        if method == "dflash":
-            raise UserError("dflash drafts a chain; for trees from the same head use --method ddtree.")
         overrides["tree_width"] = options.tree_width
     if options.refresh_steps is not None:
-        if method != "jetspec":
-            raise UserError("--refresh-steps is JetSpec's tree-causal re-scoring; other methods have none.")
         overrides["refresh_steps"] = options.refresh_steps
-    if method == "dflash" and isinstance(budget, int) and budget > cfg.block_size:
+    if method_spec(method).chain_budget and isinstance(budget, int) and budget > cfg.block_size:
         raise UserError(f"dflash drafts at most its block size ({cfg.block_size}) tokens per round; --budget {budget} "
                         "is more. Use ddtree or jetspec for larger budgets.")
     return dataclasses.replace(cfg, **overrides).make_drafter(method)
@@ -420,6 +387,10 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
     path: a folder written by `jaxspec train`; for eagle3 also a Hugging Face EAGLE-3 folder (config.json +
     safetensors, as vLLM and SGLang load); "untrained"; or None: the drafter shipped with jaxspec for this target.
     """
+    spec = method_spec(method)
+    if not spec.learned:
+        raise UserError(f"Method '{method}' has no learned drafter.")
+    check_method_options(method, options)
     if path is None:
         path = shipped_drafter(method, target)
         if path is None:
@@ -427,15 +398,14 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
                 f"The {method} method needs --drafter: a drafter folder written by `jaxspec train`"
                 + (", a Hugging Face EAGLE-3 folder" if method == "eagle3" else "")
                 + ", or 'untrained' for freshly initialised weights (a baseline that shows what training adds). "
-                f"jaxspec ships no {CHECKPOINT_METHOD[method]} drafter for {target.source}."
+                f"jaxspec ships no {spec.checkpoint} drafter for {target.source}."
                 + (" Train one with `jaxspec train --config configs/spd-smollm2-135m.yaml` (its target and data "
                    "adapted), or use --method ppsd, which drafts with the target's own first stage and needs no "
                    "drafter." if method == "spd" else "")
             )
-    eagle = method in ("eagle", "eagle2", "eagle3")
-    parallel = method in PARALLEL_METHODS
+    eagle, parallel = spec.family == "eagle", spec.family == "parallel"
     if path == "untrained":
-        if method in ("eagle", "eagle2"):
+        if spec.checkpoint == "eagle":  # the EAGLE-1 head (eagle, eagle2)
             from jaxspec.drafters.eagle import eagle1_config
 
             cfg = eagle1_config(target.config)
@@ -451,7 +421,7 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
 
     if (eagle and os.path.isfile(os.path.join(path, "config.json"))
             and not os.path.isfile(os.path.join(path, DRAFTER_META_FILE))):
-        if method != "eagle3":
+        if spec.checkpoint != "eagle3":
             raise UserError(f"{path} is a Hugging Face drafter folder; jaxspec reads EAGLE-3 ones there: use "
                             "--method eagle3.")
         from jaxspec.drafters.eagle_hf import import_eagle3_hf
@@ -465,7 +435,7 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
     cfg = _method_config(method, meta.get("config", {}))
     cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg
     abstract = cfg.init_params(target.config, target.weights)
-    _, params = load_drafter(path, expected_method=CHECKPOINT_METHOD[method], target_fingerprint=target.fingerprint(),
+    _, params = load_drafter(path, expected_method=spec.checkpoint, target_fingerprint=target.fingerprint(),
                              target_source=target.source, abstract_params=abstract)
     if eagle:
         cfg = _tree_settings(method, cfg, options)

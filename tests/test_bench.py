@@ -118,6 +118,7 @@ def test_bench_parser_sweeps_k_and_lists():
     (["--methods", "prompt-lookup=x"], "only learned methods"),
     (["--prompt-sets", "mbpp"], "Unknown prompt set 'mbpp'"),
     (["--limit", "0"], "--limit must be at least 1"),
+    (["--methods", "prompt-lookup,medusa", "--tree-nodes", "8"], "--tree-nodes applies to none of --methods"),
 ])
 def test_bench_bad_arguments_are_one_line_errors(argv, phrase, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path), *argv]) == 2

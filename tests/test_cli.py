@@ -212,7 +212,7 @@ def test_pipeline_method_refusals(capsys, cli_smollm2):
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "ppsd", "--stage-devices", "2"],
                        "needs 2 devices")
     _assert_user_error(capsys, ["generate", "--prompt", "hi", "--method", "eagle3", "--num-stages", "5"],
-                       "pipeline methods")
+                       "--num-stages does not apply to eagle3")
 
 
 def test_generate_on_a_mesh_equals_one_device(cli_smollm2, capsys):

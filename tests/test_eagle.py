@@ -74,7 +74,8 @@ def test_greedy_equals_autoregressive(tiny_llama3):
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle2", "eagle3"])
-def test_untrained_methods_from_the_registry_equal_autoregressive(tiny_llama3, name):
+def test_the_eagle_methods_build_their_heads_and_trees(tiny_llama3, name):
+    """Which head and tree each EAGLE method builds (greedy identity for every registry method: test_registry.py)."""
     from jaxspec.methods import LEARNED_METHODS, METHODS, MethodOptions, build_method
 
     _, model, ref = tiny_llama3
@@ -89,9 +90,6 @@ def test_untrained_methods_from_the_registry_equal_autoregressive(tiny_llama3, n
     else:  # the EAGLE-1 head on the top layer; eagle: its static tree, eagle2: the dynamic tree
         assert drafter.target_layers == (2,) and method.params.fc.shape == (64, 64)
         assert (drafter.choices is not None) == (name == "eagle")
-    for batch in (_prompts(ref)[:1], _prompts(ref)):  # batch 1 and 3 rows of different lengths
-        expected = generate(model.weights, model.config, batch, max_new_tokens=12, eos_ids=()).token_ids
-        assert method.generate(batch, max_new_tokens=12, eos_ids=()).token_ids == expected
     if name != "eagle3":
         return
     batch = _prompts(ref)[1:]

@@ -1,0 +1,85 @@
+"""Registry-driven tests: every method in `jaxspec.registry` is checked here without being named, so a new entry is
+covered the moment it is added. Its options are refused by name when it does not take them; its learned drafter
+family is trainable and its config class reads an empty config; built from the registry on a tiny target, its greedy
+output equals autoregressive decoding at batch 1 and at batch 3 with prompts of different lengths."""
+
+import dataclasses
+
+import pytest
+from conftest import fixture_path
+
+from jaxspec.errors import UserError
+from jaxspec.generate import generate
+from jaxspec.methods import MethodOptions, build_method, check_method_options
+from jaxspec.registry import METHOD_SPECS, OPTION_FLAGS
+
+# a value that differs from the default for every option field (the refusal test sets one at a time)
+_NON_DEFAULT = {"draft_model": "some-model", "num_draft_tokens": 2, "tree_width": 2, "tree_nodes": 4, "ngram": 2,
+                "exit_layer": 1, "drafter": "untrained", "budget": 8, "refresh_steps": 1, "num_stages": 3,
+                "stage_devices": 2}
+
+
+def test_every_option_field_has_a_flag_and_a_non_default_test_value():
+    fields = {f.name for f in dataclasses.fields(MethodOptions)} - {"mesh"}
+    assert set(OPTION_FLAGS) == fields == set(_NON_DEFAULT)
+    for field, value in _NON_DEFAULT.items():
+        assert value != MethodOptions.__dataclass_fields__[field].default
+
+
+def test_the_cli_offers_every_method_and_every_flag():
+    from jaxspec.cli import build_parser
+
+    parser = build_parser()
+    generate_parser = parser._subparsers._group_actions[0].choices["generate"]
+    flags = {s for a in generate_parser._actions for s in a.option_strings}
+    assert set(OPTION_FLAGS.values()) <= flags
+    method_action = next(a for a in generate_parser._actions if "--method" in a.option_strings)
+    assert tuple(method_action.choices) == tuple(METHOD_SPECS)
+
+
+@pytest.mark.parametrize("name", list(METHOD_SPECS))
+def test_options_a_method_does_not_take_are_refused_by_name(name):
+    spec = METHOD_SPECS[name]
+    for field, flag in OPTION_FLAGS.items():
+        if field in spec.options:
+            continue
+        with pytest.raises(UserError, match=f"{flag} does not apply to {name}"):
+            check_method_options(name, MethodOptions(**{field: _NON_DEFAULT[field]}))
+
+
+@pytest.mark.parametrize("name", [n for n, s in METHOD_SPECS.items() if s.learned])
+def test_learned_families_are_trainable_and_their_configs_read_defaults(name):
+    from jaxspec.methods import _method_config
+    from jaxspec.training.distill import trainable_for
+
+    spec = METHOD_SPECS[name]
+    trainable = trainable_for(spec.checkpoint)
+    config = _method_config(name, {})
+    assert isinstance(config, spec.config_class())
+    assert hasattr(config, "make_drafter") and hasattr(config, "init_params")
+    assert trainable.config_cls is spec.config_class()
+
+
+def _options(spec) -> MethodOptions:
+    """The options a user gives the method on a tiny target: an untrained drafter for learned methods, the tiny
+    Qwen2 (same vocabulary) as the draft model, 3 stages for the 3-layer target's pipelines."""
+    options = {}
+    if spec.learned:
+        options["drafter"] = "untrained"
+    if "draft_model" in spec.options:
+        options["draft_model"] = fixture_path("tiny-qwen2")
+    if spec.pipeline:
+        options["num_stages"] = 3
+    return MethodOptions(**options)
+
+
+@pytest.mark.parametrize("name", [n for n in METHOD_SPECS if n != "autoregressive"])
+def test_every_method_from_the_registry_is_greedy_exact_at_batch_1_and_3(tiny_llama3, name):
+    _, model, ref = tiny_llama3
+    ids = ref["input_ids"]
+    prompts = [ids[0, :5].tolist(), ids[1, :17].tolist(), ids[0, 3:40].tolist()]
+    method = build_method(name, model, _options(METHOD_SPECS[name]))
+    assert method.spec is METHOD_SPECS[name]
+    for batch in (prompts[:1], prompts):
+        expected = generate(model.weights, model.config, batch, max_new_tokens=12, eos_ids=()).token_ids
+        assert method.generate(batch, max_new_tokens=12, eos_ids=()).token_ids == expected, name
