@@ -14,7 +14,7 @@ its top path, minus the target's log-probability of that same path, says how far
 0 = calibrated, > 0 = the head thinks the path likelier than the target does):
 
 - **marginal** path (every head): one all-mask block forward with the head's own attention (bidirectional for a
-  dflash checkpoint, tree-causal for jetspec), `jaxspec.drafters.parallel.marginal_log_probs`; the path is the
+  dflash checkpoint, tree-causal for jetspec), `jaxspec.drafters.block_head.marginal_log_probs`; the path is the
   argmax of each of the first `--length` per-depth marginals and its draft score the sum of those maxima. This is
   the top path under the product of marginals that DDTree's best-first tree ranks by. The marginals of a block head
   are each averaged over what came before, so their argmaxes can form an incoherent path whose product of marginals
@@ -34,7 +34,7 @@ Where. Each prompt (chat template applied) is first decoded greedily by the targ
 8 x positions); at `--positions` evenly spaced cut points k of that continuation (k = 0 included) the context is
 prompt + continuation[:k] and the root is its last token. The head's context cache holds the pairs (f_t, x_{t+1})
 for t < L-1 (projected with the head's `_project`), the root pair is (f_{L-1}, x_L) with x_L the context's last
-token, exactly as `ParallelDrafter` builds it while decoding.
+token, exactly as `JetSpecDrafter` builds it while decoding.
 
 Heads: `--heads LABEL=PATH,...`; LABEL starts with the method (dflash, ddtree or jetspec; e.g. `jetspec-sft`),
 PATH is a drafter folder written by `jaxspec train` or `untrained` (freshly initialised weights). Prints one row per
@@ -61,8 +61,8 @@ from tqdm import tqdm
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
+from jaxspec.drafters.block_head import ParallelHeadParams, block_forward, marginal_log_probs, tree_block_mask
 from jaxspec.drafters.eagle import _project, draft_to_target, fuse_features
-from jaxspec.drafters.parallel import ParallelHeadParams, block_forward, marginal_log_probs, tree_block_mask
 from jaxspec.errors import UserError
 from jaxspec.generate import generate
 from jaxspec.loading import DEFAULT_MODEL, LoadedModel, load_model

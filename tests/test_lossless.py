@@ -269,7 +269,7 @@ def test_eagle3_dynamic_tree_round_reproduces_the_target_distribution_exactly(sa
 def _parallel_tree(mode, sampling):
     """The tree the real DDTree (bidirectional block head, best-first on marginals) or JetSpec (tree-causal head,
     best-first + one path-conditioned refresh) drafter proposes after CONTEXT: (tokens [T], parents [T])."""
-    from jaxspec.drafters.parallel import ParallelHeadConfig
+    from jaxspec.drafters.block_head import ParallelHeadConfig
 
     attention = "tree_causal" if mode == "jetspec" else "bidirectional"
     mcfg = ParallelHeadConfig(attention=attention, feature_layers=(0,), draft_vocab_size=3, block_size=3, budget=5,

@@ -1,8 +1,8 @@
-"""DFlash, DDTree and JetSpec (jaxspec/drafters/parallel.py) on the tiny Llama-3: the best-first tree equals a
-plain Python heap, literal block masks, the tree-causal head's node outputs equal the head run on the node's path
-alone (so a sibling branch cannot change them), the training block equals the inference block, the refresh keeps
-the best path-conditioned candidates, greedy output equals autoregressive at batch 1 and 3 with trained heads,
-and bad settings are refused."""
+"""DFlash, DDTree and JetSpec (jaxspec/drafters/block_head.py, dflash.py, ddtree.py, jetspec.py) on the tiny Llama-3:
+the best-first tree equals a plain Python heap, literal block masks, the tree-causal head's node outputs equal the
+head run on the node's path alone (so a sibling branch cannot change them), the training block equals the inference
+block, the refresh keeps the best path-conditioned candidates, greedy output equals autoregressive at batch 1 and 3
+with trained heads, and bad settings are refused."""
 
 import dataclasses
 import heapq
@@ -14,17 +14,17 @@ import pytest
 from conftest import fixture_path
 
 from jaxspec.cache import KVCache
-from jaxspec.drafters.eagle import _project, draft_to_target, fuse_features
-from jaxspec.drafters.parallel import (
+from jaxspec.drafters.block_head import (
     ParallelHeadConfig,
-    best_first_tree,
     block_forward,
     chain_block_mask,
     parallel_logits,
-    refresh_tree,
     spread_feature_layers,
     tree_block_mask,
 )
+from jaxspec.drafters.ddtree import best_first_tree
+from jaxspec.drafters.eagle import _project, draft_to_target, fuse_features
+from jaxspec.drafters.jetspec import refresh_tree
 from jaxspec.errors import UserError
 from jaxspec.generate import generate
 from jaxspec.model import forward

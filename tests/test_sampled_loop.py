@@ -67,9 +67,9 @@ def _p_value(token_ids: list[list[int]], expected: dict[tuple, float]) -> float:
 def _drafters():
     """(label, drafter, params): every drafter of the speculative loop on the tiny target (learned heads untrained,
     their random matrices scaled so that their q is far from uniform)."""
+    from jaxspec.drafters.block_head import ParallelHeadConfig
     from jaxspec.drafters.eagle import Eagle3Config
     from jaxspec.drafters.medusa import MedusaConfig
-    from jaxspec.drafters.parallel import ParallelHeadConfig
 
     counts = np.arange(V)[::-1].copy()  # draft vocabulary: the 6 lowest ids (6 and 7 are never drafted)
     eagle = Eagle3Config(feature_layers=(0, 1), draft_vocab_size=6, depth=3, top_k=2, num_nodes=5, init_scale=0.5)

@@ -16,7 +16,7 @@ The head (one Llama-style decoder layer on top of the frozen target):
 
 The pair at position t is (feature f_t, token x_{t+1}); its output predicts x_{t+2}.
 
-Drafter state across rounds (`Eagle3State`): the head's KV cache (1 layer) and the "pending" pairs, the fused
+Drafter state across rounds (`HeadState`): the head's KV cache (1 layer) and the "pending" pairs, the fused
 target features of the tokens committed in the last round. The tokens that follow them are read from the loop's
 history, so a pending pair at position t is (pending feature, history[t + 1]). The head's cache always ends where
 the pending pairs begin, and they end at the target's committed length L (the root's position):
@@ -536,8 +536,10 @@ def static_tree(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Eagle3State:
-    """cache: the head's KVCache (k, v [1, B, Hkv, S, h], lengths [B]: where the pending pairs start);
+class HeadState:
+    """The state of a head drafter across rounds (EAGLE heads and the block heads of DFlash, DDTree, JetSpec).
+
+    cache: the head's KVCache (k, v [1, B, Hkv, S, h], lengths [B]: where the pending pairs start);
     pending: [B, T+1, d] fused target features of the last round's committed tokens (the first L - lengths valid);
     prompt: [B, P, d] fused features of the prompt (absorbed by the first round); first: bool[], the first round."""
 
@@ -572,7 +574,7 @@ def absorb_pairs(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Eagle3Drafter(Drafter):
-    """params: Eagle3Params; state: Eagle3State. `target_layers` are the feature layers."""
+    """params: Eagle3Params; state: HeadState. `target_layers` are the feature layers."""
 
     depth: int = 5
     top_k: int = 4
@@ -584,10 +586,10 @@ class Eagle3Drafter(Drafter):
         b = prompt_tokens.shape[0]
         prompt = fuse_features(params, prefill_out.hidden)  # [B, P, d]
         cache = init_cache(target_cfg, b, cache_size, params.wk.dtype, num_layers=1)
-        return Eagle3State(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
+        return HeadState(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
                            prompt=prompt, first=jnp.array(True))
 
-    def propose(self, params, state: Eagle3State, inputs: RoundInputs, target_cfg, sampling, rng):
+    def propose(self, params, state: HeadState, inputs: RoundInputs, target_cfg, sampling, rng):
         embed = inputs.target_weights.embed
 
         def absorb(feats):
@@ -603,7 +605,7 @@ class Eagle3Drafter(Drafter):
                                      num_nodes=self.num_nodes)
         return tree, dataclasses.replace(state, cache=cache, first=jnp.array(False)), inputs.target_cache
 
-    def update(self, params, state: Eagle3State, inputs, verification, acceptance):
+    def update(self, params, state: HeadState, inputs, verification, acceptance):
         path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
         hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
         return dataclasses.replace(state, pending=fuse_features(params, hidden).astype(state.pending.dtype))

@@ -402,7 +402,7 @@ def _register_builtin() -> None:
         init_uses_data=True,
     )
     register("eagle3", eagle)
-    from jaxspec.drafters.parallel import ParallelHeadConfig, parallel_training_loss
+    from jaxspec.drafters.block_head import ParallelHeadConfig, parallel_training_loss
 
     # the same handling as EAGLE-3 (draft vocabulary from the data, fused layers, the target's logits); another loss
     parallel = dataclasses.replace(eagle, config_cls=ParallelHeadConfig, loss=parallel_training_loss)

@@ -1,10 +1,13 @@
-"""Parallel draft heads: DFlash (block drafter), DDTree (its best-first tree) and JetSpec (tree-causal head).
+"""The block head shared by DFlash, DDTree and JetSpec, its config, its forwards and its training loss.
 
-All three share one head: the EAGLE-3 layer layout (`jaxspec.drafters.eagle`: fused multi-layer target features,
-one decoder layer over (token embedding, feature) pairs, its own LM head over a reduced draft vocabulary with d2t)
-plus two learned vectors, `mask_embedding` (the embedding of a mask token) and `mask_feature` (the feature of a
-position the target has not processed). What differs is the attention inside the drafted block and how a tree is
-built from the head's outputs.
+The head is the EAGLE-3 layer layout (`jaxspec.drafters.eagle`: fused multi-layer target features, one decoder layer
+over (token embedding, feature) pairs, its own LM head over a reduced draft vocabulary with d2t) plus two learned
+vectors, `mask_embedding` (the embedding of a mask token) and `mask_feature` (the feature of a position the target
+has not processed). The three methods differ in the attention inside the drafted block (the head's training) and in
+how a round's draft is built from the head's outputs (their own modules):
+- `jaxspec.drafters.dflash`: a chain from the per-depth marginals of one block forward;
+- `jaxspec.drafters.ddtree`: a best-first tree on the product of those marginals under a node budget;
+- `jaxspec.drafters.jetspec`: the tree-causal head's best-first tree, re-scored by path-conditioned forwards.
 
 Context. The committed text enters as pairs (fused target feature f_t, token x_{t+1}) at position t; their keys
 and values are cached in the head's one-layer cache (the keys and values of a one-layer head depend on its input
@@ -20,20 +23,8 @@ The block forward (one head forward, D = `block_size` query slots at positions L
   - JetSpec (`attention: tree_causal`): its ancestors on its own path and itself, never siblings or
     descendants. On the all-mask chain this is plain causal attention.
 
-Rounds:
-- **dflash**: one block forward on [root, mask x (D-1)]; the per-depth marginals give a chain of K <= D tokens
-  (argmax at T=0; sampled from the marginal, q kept, at T>0).
-- **ddtree**: the same forward; a best-first tree on the product of the marginals under a budget of B nodes with up
-  to W children per node (`best_first_tree`: a heap with static shapes).
-- **jetspec**: the tree-causal block forward on the all-mask chain gives per-depth marginals and the same best-first
-  tree (wave 0); then `refresh_steps` R more forwards re-score the tree (`refresh_tree`): one tree-causal forward
-  over the root and all B nodes, each node fed its own token, so each node's output is the distribution of its
-  children given its whole path; the candidates are the top-W children of every node, scored by the cumulative
-  path-conditional log-probability, and the best B (an ancestor-closed set) are the next tree. R = 0 is the pure
-  "one forward" tree. Decision and cost: docs/jetspec.md.
-
 Trees are deterministic top-W picks (draft_probs None), so the core's acceptance rule is exact at every
-temperature. Scores are the head's log-softmax at temperature 1.
+temperature. Scores are the head's log-softmax at temperature 1. Decision and cost: docs/jetspec.md.
 
 Training (`parallel_loss`): every position a of a training sequence anchors one block: slot 0 is the pair
 (f_a, x_{a+1}) at position a, slot j the mask (or, for the tree-causal head, with probability `real_token_rate`
@@ -61,7 +52,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.drafters.eagle import (
     Eagle3Params,
-    Eagle3State,
+    HeadState,
     _finish,
     _project,
     _shift,
@@ -70,13 +61,11 @@ from jaxspec.drafters.eagle import (
     fuse_features,
     head_logits,
     init_eagle3_params,
-    select_nodes,
 )
 from jaxspec.errors import UserError
 from jaxspec.losses import gamma_weights, masked_mean, per_position_loss
 from jaxspec.model import NEG_INF, Weights, _attention, lm_head
-from jaxspec.sampling import process_logits
-from jaxspec.tree import DraftTree, ancestor_mask
+from jaxspec.tree import ancestor_mask
 
 ATTENTION_KINDS = ("bidirectional", "tree_causal")
 
@@ -152,8 +141,12 @@ class ParallelHeadConfig:
             raise UserError(f"drafter.tree_width {self.tree_width} exceeds the draft vocabulary ({vocab}).")
         return dataclasses.replace(self, feature_layers=layers, draft_vocab_size=vocab)
 
-    def make_drafter(self, method: str | None = None) -> ParallelDrafter:
+    def make_drafter(self, method: str | None = None) -> BlockHeadDrafter:
         """The drafter for `method` (dflash, ddtree, jetspec; None: dflash for a bidirectional head, else jetspec)."""
+        from jaxspec.drafters.ddtree import DDTreeDrafter
+        from jaxspec.drafters.dflash import DFlashDrafter
+        from jaxspec.drafters.jetspec import JetSpecDrafter
+
         if self.feature_layers is None:
             raise ValueError("ParallelHeadConfig.make_drafter needs concrete feature_layers; call for_target first.")
         method = method or ("dflash" if self.attention == "bidirectional" else "jetspec")
@@ -162,10 +155,13 @@ class ParallelHeadConfig:
             raise UserError(f"The {method} method needs a head trained with {expected} attention; this one has "
                             f"{self.attention} (train it with configs/{'jetspec' if method == 'jetspec' else 'dflash'}"
                             "-*.yaml).")
-        budget = min(self.budget, self.block_size) if method == "dflash" else self.budget
-        return ParallelDrafter(target_layers=tuple(self.feature_layers), mode=method, block_size=self.block_size,
-                               budget=budget, tree_width=1 if method == "dflash" else self.tree_width,
-                               refresh_steps=self.refresh_steps if method == "jetspec" else 0, name=method)
+        common = dict(target_layers=tuple(self.feature_layers), block_size=self.block_size)
+        if method == "dflash":
+            return DFlashDrafter(**common, budget=min(self.budget, self.block_size))
+        if method == "ddtree":
+            return DDTreeDrafter(**common, budget=self.budget, tree_width=self.tree_width)
+        return JetSpecDrafter(**common, budget=self.budget, tree_width=self.tree_width,
+                              refresh_steps=self.refresh_steps)
 
     def init_params(self, target_cfg: ModelConfig, target_weights: Weights, key: jax.Array | None = None,
                     vocab_counts: np.ndarray | None = None) -> ParallelHeadParams:
@@ -243,108 +239,6 @@ def marginal_log_probs(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.
     return jax.nn.log_softmax(logits, axis=-1)
 
 
-# ---------------------------------------------------------------------------------------------- tree building
-
-
-def best_first_tree(log_probs: jax.Array, budget: int, width: int):
-    """Best-first tree on the product of per-depth marginals under a node budget (DDTree, JetSpec wave 0).
-
-    A heap of candidates keyed by cumulative log-probability: pop the best candidate, it becomes the next node, and
-    its up-to-W children (the W most likely tokens at the next depth) become candidates; stop after `budget` pops.
-    Static shapes: candidate slot w holds the root's rank-w child, slot W (i + 1) + w node i's rank-w child; a pop is
-    an argmax over the slots (ties to the lowest slot).
-
-    Args:
-        log_probs: float32[B, D, Vd] log marginals, depth d + 1 at index d.
-    Returns:
-        (ids int32[B, budget] draft ids, parents int32[B, budget] (-1 = root, parents[j] < j), valid bool[B, budget]
-        (False when the candidates ran out), scores float32[B, budget] cumulative log-probs), nodes in pop order.
-    """
-    depth_count = log_probs.shape[1]
-    top_lp, top_ids = jax.lax.top_k(log_probs, width)  # [B, D, W]
-    slots = (budget + 1) * width
-
-    def one_row(top_lp, top_ids):  # [D, W] each
-        state = dict(
-            score=jnp.full((slots,), -jnp.inf, jnp.float32).at[:width].set(top_lp[0]),  # [M] -inf: empty or popped
-            parent=jnp.full((slots,), -1, jnp.int32),  # [M] node index of the candidate's parent
-            depth=jnp.zeros((slots,), jnp.int32).at[:width].set(1),  # [M]
-            rank=jnp.tile(jnp.arange(width, dtype=jnp.int32), budget + 1),  # [M]
-            ids=jnp.zeros((budget,), jnp.int32), parents=jnp.full((budget,), -1, jnp.int32),
-            valid=jnp.zeros((budget,), jnp.bool_), scores=jnp.full((budget,), -jnp.inf, jnp.float32),
-        )
-
-        def pop(i, s):
-            best = jnp.argmax(s["score"])
-            score, depth = s["score"][best], s["depth"][best]
-            ok = score > -jnp.inf
-            child_lp = jnp.where(ok & (depth < depth_count), top_lp[jnp.minimum(depth, depth_count - 1)], -jnp.inf)
-            start = width * (i + 1)
-            return dict(
-                score=jax.lax.dynamic_update_slice(s["score"].at[best].set(-jnp.inf), score + child_lp, (start,)),
-                parent=jax.lax.dynamic_update_slice(s["parent"], jnp.full((width,), i, jnp.int32), (start,)),
-                depth=jax.lax.dynamic_update_slice(s["depth"], jnp.full((width,), depth + 1, jnp.int32), (start,)),
-                rank=s["rank"],
-                ids=s["ids"].at[i].set(top_ids[depth - 1, s["rank"][best]]),
-                parents=s["parents"].at[i].set(jnp.where(ok, s["parent"][best], -1)),
-                valid=s["valid"].at[i].set(ok), scores=s["scores"].at[i].set(score),
-            )
-
-        s = jax.lax.fori_loop(0, budget, pop, state)
-        return s["ids"], s["parents"], s["valid"], s["scores"]
-
-    return jax.vmap(one_row)(top_lp, top_ids)
-
-
-def refresh_tree(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array, context: KVCache,
-                 root_feature: jax.Array, root: jax.Array, ids: jax.Array, parents: jax.Array, valid: jax.Array,
-                 width: int):
-    """JetSpec's path-conditioned re-scoring: one tree-causal forward over the root and the B nodes of a tree.
-
-    Each node is fed its own token, so its output is the distribution of its children given its exact path. The
-    candidates are the top-W children of the root and of every node whose own token is among its parent's new
-    top W; a candidate scores the sum of the new log-probs along its path. The best B candidates (ancestor-closed:
-    a child never outscores its parent, which has the lower index) are the new tree, one depth deeper at most.
-
-    Args:
-        context: the head's cache (lengths = L-1); root_feature: [B, d]; root: int32[B];
-        ids / parents / valid: the tree, [B, T] each (draft ids; parents -1 = root, before their children).
-    Returns:
-        (ids, parents, valid, scores) of the new tree, [B, T] each.
-    """
-    b, t = ids.shape
-    d2t = draft_to_target(params.head)  # [Vd]
-    tokens = jnp.concatenate([root[:, None], d2t[ids]], axis=1)  # [B, T+1] target ids
-    mask = tree_block_mask(parents)  # [B, T+1, T+1]
-    positions = context.lengths[:, None] + jnp.sum(mask, axis=-1).astype(jnp.int32) - 1  # [B, T+1]: L-1 + depth
-    logits = block_forward(params, cfg, embed, context, root_feature, tokens, jnp.ones((b, t + 1), jnp.bool_),
-                           positions, mask)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)  # [B, T+1, Vd]
-    cand_lp, cand_ids = jax.lax.top_k(log_probs, width)  # [B, T+1, W]
-    parent_slot = parents + 1  # [B, T] the slot (0 = root) whose output scored each node
-    parent_cands = jnp.take_along_axis(cand_ids, parent_slot[:, :, None], axis=1)  # [B, T, W]
-    hit = parent_cands == ids[:, :, None]  # [B, T, W]
-    in_top = valid & jnp.any(hit, axis=-1)  # [B, T]
-    own_lp = jnp.take_along_axis(jnp.take_along_axis(log_probs, parent_slot[:, :, None], axis=1),
-                                 ids[:, :, None], axis=2)[..., 0]  # [B, T]
-    path = mask[:, 1:, 1:]  # [B, T, T]: node m is node n or one of its ancestors
-    ok = ~jnp.any(path & ~in_top[:, None, :], axis=-1)  # [B, T]
-    node_score = jnp.where(ok, jnp.sum(jnp.where(path, own_lp[:, None, :], 0.0), axis=-1), -jnp.inf)  # [B, T]
-    base = jnp.concatenate([jnp.zeros((b, 1), jnp.float32), node_score], axis=1)  # [B, T+1] per slot
-    scores = (base[:, :, None] + cand_lp).reshape(b, (t + 1) * width)  # [B, (T+1) W]
-    # the candidate standing for node n (its parent's rank-w child) hosts the candidates of node n's slot
-    node_cand = parent_slot * width + jnp.argmax(hit, axis=-1).astype(jnp.int32)  # [B, T]
-    host = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), node_cand], axis=1)  # [B, T+1]
-    cand_parents = jnp.repeat(host, width, axis=1)  # [B, (T+1) W]
-    keep, new_parents = select_nodes(scores, cand_parents, t)  # [B, T] each
-    new_scores = jnp.take_along_axis(scores, keep, axis=1)
-    new_ids = jnp.take_along_axis(cand_ids.reshape(b, -1), keep, axis=1)
-    return new_ids, new_parents, new_scores > -jnp.inf, new_scores
-
-
-# ---------------------------------------------------------------------------------------------- the drafter
-
-
 def cache_pairs(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array, cache: KVCache, feats: jax.Array,
                 history: jax.Array, lengths: jax.Array) -> tuple[KVCache, jax.Array]:
     """Caches the keys and values of the pending pairs (feats[:, i], history[pos + 1]) at pos = cache.lengths + i.
@@ -366,17 +260,16 @@ def cache_pairs(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array, 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ParallelDrafter(Drafter):
-    """params: ParallelHeadParams; state: Eagle3State (the same state as EAGLE-3: the head's cache of context pairs,
-    the pending features, the prompt's features, the first-round flag).
-    mode: dflash (chain), ddtree or jetspec (trees)."""
+class BlockHeadDrafter(Drafter):
+    """What DFlash, DDTree and JetSpec share: the head's context cache, its all-mask block forward, the features of
+    the accepted tokens kept for the next round. params: ParallelHeadParams; state: HeadState (the state type of the
+    EAGLE heads: the head's cache of context pairs, the pending features, the prompt's features, the first-round
+    flag). A subclass builds the round's draft from the marginals (`draft`)."""
 
-    mode: str = "jetspec"
     block_size: int = 8
     budget: int = 32
-    tree_width: int = 4
-    refresh_steps: int = 1
-    name: str = "jetspec"
+
+    attention = "bidirectional"  # the block attention its head was trained with (a class constant)
 
     @property
     def num_nodes(self) -> int:
@@ -384,21 +277,17 @@ class ParallelDrafter(Drafter):
 
     @property
     def depth(self) -> int:
-        """The deepest node a round can draft: the chain length (dflash), the block plus one depth per refresh."""
-        return self.budget if self.mode == "dflash" else self.block_size + self.refresh_steps
-
-    @property
-    def attention(self) -> str:
-        return "tree_causal" if self.mode == "jetspec" else "bidirectional"
+        """The deepest node a round can draft."""
+        return self.block_size
 
     def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
         b = prompt_tokens.shape[0]
         prompt = fuse_features(params.head, prefill_out.hidden)  # [B, P, d]
         cache = init_cache(target_cfg, b, cache_size, params.head.wk.dtype, num_layers=1)
-        return Eagle3State(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
-                             prompt=prompt, first=jnp.array(True))
+        return HeadState(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
+                         prompt=prompt, first=jnp.array(True))
 
-    def propose(self, params, state: Eagle3State, inputs: RoundInputs, target_cfg, sampling, rng):
+    def propose(self, params, state: HeadState, inputs: RoundInputs, target_cfg, sampling, rng):
         embed = inputs.target_weights.embed
 
         def absorb(feats):
@@ -410,50 +299,32 @@ class ParallelDrafter(Drafter):
         with jax.named_scope("parallel_block"):
             log_probs = marginal_log_probs(params, target_cfg, embed, context, root_feature, inputs.root,
                                            self.block_size, self.attention)  # [B, D, Vd]
-        d2t = draft_to_target(params.head)  # [Vd]
-        if self.mode == "dflash":
-            tree = self._chain(log_probs[:, : self.budget], d2t, target_cfg, sampling, rng)
-        else:
-            with jax.named_scope("best_first_tree"):
-                ids, parents, valid, _ = best_first_tree(log_probs, self.budget, self.tree_width)
-            for _ in range(self.refresh_steps):
-                with jax.named_scope("refresh_tree"):
-                    ids, parents, valid, _ = refresh_tree(params, target_cfg, embed, context, root_feature,
-                                                          inputs.root, ids, parents, valid, self.tree_width)
-            tree = DraftTree(tokens=d2t[ids], parents=parents, valid=valid)
+        tree = self.draft(params, log_probs, context, root_feature, inputs, target_cfg, sampling, rng)
         # the cache keeps lengths L - 1 during the round; `update` moves it on with the pending pairs
         state = dataclasses.replace(state, cache=dataclasses.replace(context, lengths=inputs.lengths),
                                     first=jnp.array(False))
         return tree, state, inputs.target_cache
 
-    def _chain(self, log_probs, d2t, target_cfg, sampling, rng) -> DraftTree:
-        """DFlash's chain: the argmax (T=0) or a sample (T>0) of each depth's marginal, independently."""
-        b, k, _ = log_probs.shape
-        parents = jnp.broadcast_to(jnp.arange(-1, k - 1, dtype=jnp.int32), (b, k))
-        if sampling.greedy:
-            return DraftTree(tokens=d2t[jnp.argmax(log_probs, axis=-1)], parents=parents,
-                             valid=jnp.ones((b, k), jnp.bool_))
-        full = jnp.full((b, k, target_cfg.vocab_size), -jnp.inf, jnp.float32).at[..., d2t].set(log_probs)
-        logq = process_logits(full, sampling)  # [B, K, V]
-        tokens = jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)  # [B, K]
-        return DraftTree(tokens=tokens, parents=parents, valid=jnp.ones((b, k), jnp.bool_), draft_probs=jnp.exp(logq))
+    def draft(self, params, log_probs, context, root_feature, inputs: RoundInputs, target_cfg, sampling, rng):
+        """The round's DraftTree from the marginals log_probs [B, D, Vd] (depth d + 1 at index d); `context` and
+        `root_feature` let a subclass run more head forwards (JetSpec's refresh)."""
+        raise NotImplementedError
 
-    def update(self, params, state: Eagle3State, inputs, verification, acceptance):
+    def update(self, params, state: HeadState, inputs, verification, acceptance):
         path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
         hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
         # the new pending pairs start at the old committed length L (the root's position), where the cache ends
         return dataclasses.replace(state, pending=fuse_features(params.head, hidden).astype(state.pending.dtype))
 
     def draft_cost_layers(self, target_cfg):
-        # one decoder layer per forward: the block forward plus JetSpec's refresh forwards (the context pairs are
-        # a projection, not counted)
-        return float(1 + self.refresh_steps)
+        # one decoder layer per head forward (the context pairs are a projection, not counted)
+        return 1.0
 
     def check_compatible(self, params, target_cfg, target_tokenizer=None):
         d = target_cfg.hidden_size
         fc = params.head.fc
         if fc.shape != (len(self.target_layers) * d, d):
-            raise UserError(f"This {self.mode} head fuses {fc.shape[0] // max(fc.shape[1], 1)} layers of width "
+            raise UserError(f"This {self.name} head fuses {fc.shape[0] // max(fc.shape[1], 1)} layers of width "
                             f"{fc.shape[1]}, which does not fit this target (width {d}).")
 
 
