@@ -279,7 +279,8 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
 
 def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
     """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
-    from jaxspec.pipeline import EarlyExitPipelineDrafter, check_num_stages, stage_mesh
+    from jaxspec.drafters.ppsd import EarlyExitPipelineDrafter
+    from jaxspec.pipeline import check_num_stages, stage_mesh
     from jaxspec.sharding import replicate_on_mesh
 
     name = spec.name

@@ -39,13 +39,10 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
 from jaxspec.model import LayerWeights, Weights, embed_tokens, lm_head, run_layers
-from jaxspec.sampling import GREEDY, SamplingConfig, process_logits, sample_token, target_probs
-from jaxspec.sharding import DATA, place_inputs, replicate_on_mesh, to_host
+from jaxspec.sampling import GREEDY, SamplingConfig, sample_token, target_probs
+from jaxspec.sharding import DATA, STAGE, place_inputs, replicate_on_mesh, to_host
 from jaxspec.tree import DraftTree
 from jaxspec.verification import accept
-
-STAGE = "stage"  # the mesh axis the pipeline stages are laid out on
-
 
 # ---------------------------------------------------------------------------------------------- stages
 
@@ -116,7 +113,6 @@ def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cac
     Returns (out [m, B, W, d] each stage's output, middle [m, B, W, d] the output of each stage's middle layer,
     cache).
     """
-    s = stage_size(cfg, num_stages)
     width = x.shape[2]
 
     def one_stage(lw, c: StageCache, x, position, on):  # x: [B, W, d]; position: int32[B]
@@ -132,7 +128,7 @@ def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cac
             side = [jnp.moveaxis(new[:, :, :, 1:], 3, 2)[..., None, :] for new in (new_k, new_v)]  # [s,B,W-1,Hkv,1,h]
             c = dataclasses.replace(c, side_k=_write_rows(c.side_k, side[0], ring, on, axis=3),
                                     side_v=_write_rows(c.side_v, side[1], ring, on, axis=3))
-        return out, hidden[(s - 1) // 2], c
+        return out, hidden[middle_layer(cfg, num_stages, 1)], c
 
     return jax.vmap(one_stage)(layers, cache, x, positions, active)
 
@@ -260,37 +256,6 @@ class PipelineDrafter:
 
     def check_compatible(self, params, target_cfg: ModelConfig, target_tokenizer=None) -> None:
         check_num_stages(target_cfg, self.num_stages)
-
-
-def choose_draft(logits: jax.Array, sampling: SamplingConfig, rng, width: int = 1
-                 ) -> tuple[jax.Array, jax.Array | None]:
-    """logits [B, V] over target ids -> (drafts int32[B, W], q [B, V] or None).
-
-    W = 1: greedy takes the argmax (q a point mass); sampling draws from q, the drafter's distribution under the same
-    temperature / top-k / top-p, kept for the rejection rule. W > 1: the W most likely tokens of q, deterministic
-    siblings (point masses), at every temperature."""
-    logq = process_logits(logits, sampling)  # [B, V]
-    if width > 1:
-        return jax.lax.top_k(logq, width)[1].astype(jnp.int32), None
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], None
-    return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], jnp.exp(logq)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EarlyExitPipelineDrafter(PipelineDrafter):
-    """PPSD: the next token from the first stage's output (the newest token after stage 0) through the target's
-    final norm and LM head. Training-free; it waits for stage 0, so its cost is not hidden."""
-
-    name: str = "ppsd"
-
-    def propose(self, params, state, view, target_weights, target_cfg, sampling, rng):
-        logits = lm_head(target_weights, target_cfg, view.out[0][:, None])[:, 0]  # [B, V]
-        draft, q = choose_draft(logits, sampling, rng, self.tree_width)
-        return draft, q, state
-
-    def draft_cost_layers(self, target_cfg):
-        return 1.0  # the early-exit head, counted as one layer (METHODS.md's equal-cost convention)
 
 
 # ---------------------------------------------------------------------------------------------- decoding

@@ -23,9 +23,11 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.model import ForwardOutput, LayerWeights, Weights, execution_weights, forward
 
-# Mesh axis names.
+# Mesh axis names: rows and tensor parallelism (the (data, model) mesh of every method), and the pipeline stages of
+# ppsd/spd (their own 'stage' mesh, jaxspec.pipeline.stage_mesh).
 DATA = "data"
 MODEL = "model"
+STAGE = "stage"
 MESH_AXES = (DATA, MODEL)
 
 # Logical axis name -> mesh axis (None: replicated).

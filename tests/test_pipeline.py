@@ -18,12 +18,12 @@ from fake_devices import run_child
 from jaxspec.cache import init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.eagle import head_logits
+from jaxspec.drafters.ppsd import EarlyExitPipelineDrafter
 from jaxspec.drafters.spd import SPDConfig, spd_block_logits, spd_loss
 from jaxspec.errors import UserError
 from jaxspec.generate import generate, pad_prompts, prefill
 from jaxspec.model import embed_tokens, forward, init_weights, lm_head
 from jaxspec.pipeline import (
-    EarlyExitPipelineDrafter,
     PipelineView,
     StageCache,
     merge_stages,

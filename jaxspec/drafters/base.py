@@ -91,6 +91,21 @@ class ChainDrafter(Drafter):
         return self.depth * self.tree_width
 
 
+def choose_draft(logits: jax.Array, sampling: SamplingConfig, rng, width: int = 1
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """One drafting step: logits [B, V] over target ids -> (drafts int32[B, W], q [B, V] or None).
+
+    W = 1: greedy takes the argmax (q a point mass, None); sampling draws from q, the drafter's distribution under
+    the same temperature / top-k / top-p, kept for the rejection rule. W > 1: the W most likely tokens of q,
+    deterministic siblings (point masses), at every temperature. Shared by every chain drafter and the pipelines."""
+    logq = process_logits(logits, sampling)  # [B, V]
+    if width > 1:
+        return jax.lax.top_k(logq, width)[1].astype(jnp.int32), None
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], None
+    return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], jnp.exp(logq)
+
+
 def draft_chain(step, first_logits: jax.Array, first_position: jax.Array, depth: int, sampling: SamplingConfig,
                 rng: jax.Array, carry: Any, width: int = 1) -> tuple[DraftTree, Any]:
     """Drafts a chain of `depth` tokens autoregressively from a causal LM, optionally with side branches.
@@ -107,15 +122,9 @@ def draft_chain(step, first_logits: jax.Array, first_position: jax.Array, depth:
     Returns the tree and the final carry.
     """
     batch = first_logits.shape[0]
-    sampled = width == 1 and not sampling.greedy
 
     def choose(logits, key):  # -> (tokens int32[B, W], q [B, V] or None)
-        logq = process_logits(logits, sampling)  # [B, V]
-        if sampled:
-            return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)[:, None], jnp.exp(logq)
-        if width == 1:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], None
-        return jax.lax.top_k(logq, width)[1].astype(jnp.int32), None
+        return choose_draft(logits, sampling, key, width)
 
     keys = jax.random.split(rng, depth)
     tokens, q = choose(first_logits, keys[0])

@@ -32,11 +32,12 @@ import numpy as np
 
 from jaxspec.cache import KVCache, write_new_entries
 from jaxspec.config import ModelConfig
+from jaxspec.drafters.base import choose_draft
 from jaxspec.drafters.eagle import build_vocab_map, draft_to_target, head_logits, to_target_logits
 from jaxspec.errors import UserError
 from jaxspec.losses import masked_mean, per_position_loss
 from jaxspec.model import LayerWeights, Weights, causal_mask, embed_tokens, lm_head, run_layers
-from jaxspec.pipeline import PipelineDrafter, PipelineView, check_num_stages, choose_draft, stage_size
+from jaxspec.pipeline import PipelineDrafter, PipelineView, check_num_stages, middle_layer, stage_size
 
 STATES = ("input", "output")
 
@@ -208,7 +209,7 @@ def depth_snapshots(emb: jax.Array, hidden: jax.Array, num_stages: int, target_c
     s = stage_size(target_cfg, num_stages)
     final = hidden[-1]
     deepest = [emb] + [hidden[k * s - 1] for k in range(1, num_stages)] + [final]
-    middle = [emb] + [hidden[(k - 1) * s + (s - 1) // 2] for k in range(1, num_stages)] + [final]
+    middle = [emb] + [hidden[middle_layer(target_cfg, num_stages, k)] for k in range(1, num_stages)] + [final]
     return jnp.stack(deepest), jnp.stack(middle)
 
 
