@@ -20,9 +20,9 @@ from jaxspec.errors import UserError
 class SamplingConfig:
     """How tokens are chosen. temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters.
 
-    A pytree, passed to the jitted loops as an ordinary argument: its structure (greedy or not, the top-k size, top-p
-    on or off) is static and compiles once per kind, while the temperature and top-p values are traced, so a sweep
-    over temperatures or top-p values reuses one compiled loop.
+    A pytree, passed to the jitted loops as an ordinary argument: its structure (greedy or not, top-k on or off,
+    top-p on or off) is static and compiles once per kind, while the temperature, top-k and top-p values are traced,
+    so a sweep over any of them reuses one compiled loop.
     """
 
     temperature: float = 0.0
@@ -36,11 +36,16 @@ class SamplingConfig:
             raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
             raise UserError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}.")
-        object.__setattr__(self, "_structure", (self.temperature == 0.0, int(self.top_k), self.top_p < 1.0))
+        object.__setattr__(self, "_structure", (self.temperature == 0.0, self.top_k > 0, self.top_p < 1.0))
 
     @property
     def greedy(self) -> bool:
         return self._structure[0]
+
+    @property
+    def filters_top_k(self) -> bool:
+        """Whether the top-k filter is on (static, also when top_k itself is traced)."""
+        return self._structure[1]
 
     @property
     def filters_top_p(self) -> bool:
@@ -48,12 +53,12 @@ class SamplingConfig:
         return self._structure[2]
 
     def tree_flatten(self):
-        return (self.temperature, self.top_p), self._structure
+        return (self.temperature, self.top_k, self.top_p), self._structure
 
     @classmethod
     def tree_unflatten(cls, structure, values):
         config = object.__new__(cls)  # no validation: the values may be tracers; they were checked when created
-        for name, value in (("temperature", values[0]), ("top_k", structure[1]), ("top_p", values[1]),
+        for name, value in (("temperature", values[0]), ("top_k", values[1]), ("top_p", values[2]),
                             ("_structure", structure)):
             object.__setattr__(config, name, value)
         return config
@@ -112,28 +117,26 @@ def _sortable(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _top_p_cutoff(logits: jax.Array, top_p: float | jax.Array, vocab_axis: str | None) -> jax.Array:
-    """The smallest key c such that the tokens with keys > c hold less than top_p of the mass: the kept set
-    {key >= c} is the smallest prefix (in descending order) whose mass reaches top_p, ties kept together.
+def _cutoff(keys: jax.Array, weights: jax.Array, threshold, vocab_axis: str | None) -> jax.Array:
+    """The smallest key c such that the entries with keys > c weigh less than `threshold` in all: the kept set
+    {key >= c} is the smallest prefix (in descending key order) whose weight reaches the threshold, ties kept
+    together. With weights p it is top-p's set; with weights 1 and threshold k, top-k's (the k largest and their ties).
 
-    logits: [..., V_local] (after temperature and top-k); returns uint32 keys [..., 1]. A bisection over the
-    32-bit keys: 32 steps of one masked sum each (psum'd over the vocabulary shards), no sort and no gather.
+    keys: uint32 [..., V_local] (`_sortable` logits); weights: [..., V_local]; threshold: a scalar, traced or not;
+    returns keys [..., 1]. A bisection over the 32-bit keys: 32 steps of one masked sum each (psum'd over the
+    vocabulary shards), no sort and no gather, so k and p can be traced values.
     """
-    keys = _sortable(logits)  # [..., V_local]
-    top = vocab_max(jnp.max(logits, axis=-1, keepdims=True), vocab_axis)
-    weights = jnp.exp(logits - top)  # unnormalised p, [..., V_local]
-    total = vocab_sum(jnp.sum(weights, axis=-1, keepdims=True), vocab_axis)
 
-    def mass_above(cut):  # [..., 1] fraction of the mass on keys > cut
-        return vocab_sum(jnp.sum(jnp.where(keys > cut, weights, 0.0), axis=-1, keepdims=True), vocab_axis) / total
+    def weight_above(cut):  # [..., 1] the weight on keys > cut
+        return vocab_sum(jnp.sum(jnp.where(keys > cut, weights, 0.0), axis=-1, keepdims=True), vocab_axis)
 
     hi = vocab_max(jnp.max(keys, axis=-1, keepdims=True), vocab_axis)  # [..., 1]
     lo = hi * 0  # zeros varying over the same mesh axes as hi (a shard_map loop carry must keep its type)
 
     def step(_, bounds):
-        lo, hi = bounds  # the answer lies in [lo, hi]; mass_above(hi) < top_p always (nothing is above the max)
+        lo, hi = bounds  # the answer lies in [lo, hi]; weight_above(hi) < threshold always (nothing is above the max)
         mid = lo + (hi - lo) // 2
-        below = mass_above(mid) < top_p
+        below = weight_above(mid) < threshold
         return jnp.where(below, lo, mid + 1), jnp.where(below, mid, hi)
 
     lo, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))  # 32 halvings of the 2^32 keys
@@ -152,16 +155,17 @@ def process_logits(logits: jax.Array, sampling: SamplingConfig, vocab_axis: str 
         top = vocab_argmax(logits, vocab_axis)
         return jnp.where(vocab_one_hot(top, local_size, vocab_axis, jnp.bool_), 0.0, -jnp.inf)
     logits = logits / sampling.temperature
-    vocab_size = local_size * (1 if vocab_axis is None else jax.lax.axis_size(vocab_axis))
-    if sampling.top_k and sampling.top_k < vocab_size:
-        local_top = jax.lax.top_k(logits, min(sampling.top_k, local_size))[0]  # [..., k]
-        if vocab_axis is not None:  # every shard's k best, [..., shards * k]: the global k best are among them
-            local_top = jax.lax.all_gather(local_top, vocab_axis, axis=-1, tiled=True)
-        kth = jax.lax.top_k(local_top, sampling.top_k)[0][..., -1:]  # [..., 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.filters_top_p:
-        cutoff = _top_p_cutoff(logits, sampling.top_p, vocab_axis)  # [..., 1]
-        logits = jnp.where(_sortable(logits) < cutoff, -jnp.inf, logits)
+    if sampling.filters_top_k:  # the k largest logits and their ties (k traced; k >= V keeps everything)
+        keys = _sortable(logits)  # [..., V_local]
+        cutoff = _cutoff(keys, jnp.ones_like(logits), sampling.top_k, vocab_axis)  # [..., 1]
+        logits = jnp.where(keys < cutoff, -jnp.inf, logits)
+    if sampling.filters_top_p:  # the smallest prefix holding top_p of the mass
+        top = vocab_max(jnp.max(logits, axis=-1, keepdims=True), vocab_axis)
+        weights = jnp.exp(logits - top)  # unnormalised p, [..., V_local]
+        total = vocab_sum(jnp.sum(weights, axis=-1, keepdims=True), vocab_axis)
+        keys = _sortable(logits)
+        cutoff = _cutoff(keys, weights / total, sampling.top_p, vocab_axis)  # [..., 1]
+        logits = jnp.where(keys < cutoff, -jnp.inf, logits)
     top = vocab_max(jnp.max(logits, axis=-1, keepdims=True), vocab_axis)
     log_total = jnp.log(vocab_sum(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True), vocab_axis))
     return logits - top - log_total

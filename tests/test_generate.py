@@ -72,8 +72,9 @@ def test_no_recompilation_across_prompts_and_steps(tiny_llama3):
 
 
 def test_one_compilation_per_kind_of_sampling(tiny_llama3):
-    """Temperature and top-p values are traced: a sweep over them reuses one compiled loop (greedy, top-k size and
-    top-p on/off are the structure), and each value still means what it says (a different distribution)."""
+    """Temperature, top-k and top-p values are traced: a sweep over them reuses one compiled loop (greedy, top-k
+    on/off and top-p on/off are the structure), and each value still means what it says (a different
+    distribution)."""
     _, model, ref = tiny_llama3
     prompt = [ref["input_ids"][0, :7].tolist()]
 
@@ -87,6 +88,11 @@ def test_one_compilation_per_kind_of_sampling(tiny_llama3):
     assert generate_tokens._cache_size() == before
     greedy = generate(model.weights, model.config, prompt, max_new_tokens=9, eos_ids=()).token_ids
     assert cold == greedy and hot != greedy  # near-zero temperature is the argmax; a hot one is not
+    run(temperature=5.0, top_k=50)
+    before = generate_tokens._cache_size()
+    top1, wide = run(temperature=5.0, top_k=1), run(temperature=5.0, top_k=200)
+    assert generate_tokens._cache_size() == before
+    assert top1 == greedy and wide != greedy  # top-1 is the argmax at any temperature
 
 
 def test_generation_pads_after_eos_and_counts(tiny_llama3):
