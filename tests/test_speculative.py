@@ -31,10 +31,10 @@ def _tiny_drafters(model):
     from jaxspec import load_model
 
     other = load_model(fixture_path("tiny-qwen2"))  # same vocabulary size, different random weights
+    # the methods' default chains (prompt lookup, early exit, a draft model of depth 4) run from the registry in
+    # test_registry.py; here the other shapes: prompt lookup on bigrams, a draft model that is the target, trees
     return [
         (PromptLookupDrafter(depth=4, max_ngram=2), None),
-        (EarlyExitDrafter(depth=3, exit_layer=1), None),
-        (DraftModelDrafter(depth=4, draft_cfg=other.config), other.weights),
         (DraftModelDrafter(depth=2, draft_cfg=model.config), model.weights),
         (DraftModelDrafter(depth=3, tree_width=3, draft_cfg=other.config), other.weights),
         (EarlyExitDrafter(depth=2, tree_width=2, exit_layer=2), None),
