@@ -61,6 +61,8 @@ from jaxspec.drafters.eagle import (
     fuse_features,
     head_logits,
     init_eagle3_params,
+    last_pair,
+    pending_pairs,
 )
 from jaxspec.errors import UserError
 from jaxspec.losses import gamma_weights, masked_mean, per_position_loss
@@ -249,13 +251,10 @@ def cache_pairs(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array, 
         (the cache with lengths = L - 1: the root pair is cached but the block forward feeds it again as slot 0,
         root_feature [B, d]: the feature of the last valid pair, f_{L-1}).
     """
-    b, w, _ = feats.shape
-    positions = cache.lengths[:, None] + jnp.arange(w, dtype=jnp.int32)  # [B, W]
-    tokens = jnp.take_along_axis(history, jnp.clip(positions + 1, 0, history.shape[1] - 1), axis=1)  # [B, W]
+    positions, tokens = pending_pairs(cache, history, feats.shape[1])  # [B, W] each
     _, k, v = _project(params.head, cfg, jnp.take(embed, tokens, axis=0), feats, positions)  # [B, W, Hkv, h] x2
     cache = write_new_entries(cache, k.transpose(0, 2, 1, 3)[None], v.transpose(0, 2, 1, 3)[None])
-    last = jnp.clip(lengths - 1 - positions[:, 0], 0, w - 1)  # [B]
-    root_feature = jnp.take_along_axis(feats, last[:, None, None], axis=1)[:, 0]  # [B, d]
+    root_feature = last_pair(feats, positions, lengths)  # [B, d]
     return dataclasses.replace(cache, lengths=lengths - 1), root_feature
 
 

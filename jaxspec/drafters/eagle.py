@@ -561,15 +561,25 @@ def absorb_pairs(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache
     Returns:
         (the cache with the pairs written and lengths = `lengths`, h_root [B, d]: the output at the last valid pair).
     """
-    b, w, _ = feats.shape
-    start = cache.lengths  # [B]
-    positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)  # [B, W]
-    tokens = jnp.take_along_axis(history, jnp.clip(positions + 1, 0, history.shape[1] - 1), axis=1)  # [B, W]
+    positions, tokens = pending_pairs(cache, history, feats.shape[1])  # [B, W] each
     h, k, v = head_forward(params, cfg, embed, tokens, feats, positions, cache)  # [B, W, d], [B, W, Hkv, h] x2
     cache = write_new_entries(cache, k.transpose(0, 2, 1, 3)[None], v.transpose(0, 2, 1, 3)[None])
-    last = jnp.clip(lengths - start - 1, 0, w - 1)  # [B]
-    h_root = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, d]
+    h_root = last_pair(h, positions, lengths)  # [B, d]
     return dataclasses.replace(cache, lengths=lengths), h_root
+
+
+def pending_pairs(cache: KVCache, history: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """(positions, tokens), int32[B, W] each, of the `width` pairs a head caches next: pair i sits at position
+    cache.lengths + i and carries the token after it, history[position + 1] (EAGLE heads and the block heads)."""
+    positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]
+    tokens = jnp.take_along_axis(history, jnp.clip(positions + 1, 0, history.shape[1] - 1), axis=1)  # [B, W]
+    return positions, tokens
+
+
+def last_pair(x: jax.Array, positions: jax.Array, lengths: jax.Array) -> jax.Array:
+    """x: [B, W, d] per pending pair -> [B, d] at the last valid pair (position lengths - 1)."""
+    last = jnp.clip(lengths - 1 - positions[:, 0], 0, x.shape[1] - 1)  # [B]
+    return jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
