@@ -668,9 +668,8 @@ def _check_flags_apply(args) -> None:
     for field, flag in OPTION_FLAGS.items():
         value = getattr(args, field, None)
         default = MethodOptions.__dataclass_fields__[field].default
-        if field in ("num_draft_tokens", "budget") and value is not None and len(value) == 0:
-            continue
-        if value is not None and value != default and not any(field in s.options for s in specs):
+        given = value not in (None, []) and value != default  # --num-draft-tokens and --budget are lists here
+        if given and not any(field in s.options for s in specs):
             takers = [s.name for s in METHOD_SPECS.values() if field in s.options]
             raise UserError(f"{flag} applies to none of --methods {','.join(args.methods)}; it is for "
                             f"{', '.join(takers)}.")

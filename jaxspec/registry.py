@@ -154,7 +154,6 @@ def method_spec(name: str) -> MethodSpec:
     return spec
 
 
-def method_names(*, learned: bool | None = None, family: str | None = None) -> tuple[str, ...]:
-    """Method names in registry order, optionally only learned (or training-free) ones, or one family's."""
-    return tuple(s.name for s in METHOD_SPECS.values()
-                 if (learned is None or s.learned == learned) and (family is None or s.family == family))
+def method_names(*, learned: bool | None = None) -> tuple[str, ...]:
+    """Method names in registry order, optionally only the learned (or only the training-free) ones."""
+    return tuple(s.name for s in METHOD_SPECS.values() if learned is None or s.learned == learned)

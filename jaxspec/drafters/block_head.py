@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import KVCache, init_cache, write_new_entries
+from jaxspec.cache import KVCache, write_new_entries
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.drafters.eagle import (
@@ -61,6 +61,8 @@ from jaxspec.drafters.eagle import (
     fuse_features,
     head_logits,
     init_eagle3_params,
+    init_head_state,
+    keep_accepted_features,
     last_pair,
     pending_pairs,
 )
@@ -280,11 +282,7 @@ class BlockHeadDrafter(Drafter):
         return self.block_size
 
     def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
-        b = prompt_tokens.shape[0]
-        prompt = fuse_features(params.head, prefill_out.hidden)  # [B, P, d]
-        cache = init_cache(target_cfg, b, cache_size, params.head.wk.dtype, num_layers=1)
-        return HeadState(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
-                         prompt=prompt, first=jnp.array(True))
+        return init_head_state(params.head, target_cfg, prefill_out, cache_size, self.num_nodes)
 
     def propose(self, params, state: HeadState, inputs: RoundInputs, target_cfg, sampling, rng):
         embed = inputs.target_weights.embed
@@ -310,10 +308,7 @@ class BlockHeadDrafter(Drafter):
         raise NotImplementedError
 
     def update(self, params, state: HeadState, inputs, verification, acceptance):
-        path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
-        hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
-        # the new pending pairs start at the old committed length L (the root's position), where the cache ends
-        return dataclasses.replace(state, pending=fuse_features(params.head, hidden).astype(state.pending.dtype))
+        return keep_accepted_features(params.head, state, verification, acceptance)
 
     def draft_cost_layers(self, target_cfg):
         # one decoder layer per head forward (the context pairs are a projection, not counted)

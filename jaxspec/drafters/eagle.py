@@ -568,6 +568,25 @@ def absorb_pairs(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache
     return dataclasses.replace(cache, lengths=lengths), h_root
 
 
+def init_head_state(head: Eagle3Params, target_cfg: ModelConfig, prefill_out, cache_size: int,
+                    num_nodes: int) -> HeadState:
+    """The state of a head drafter after the prefill (EAGLE heads and the block heads): an empty one-layer cache,
+    the prompt's fused features (absorbed by the first round), room for `num_nodes` + 1 pending features."""
+    prompt = fuse_features(head, prefill_out.hidden)  # [B, P, d]
+    b = prompt.shape[0]
+    cache = init_cache(target_cfg, b, cache_size, head.wk.dtype, num_layers=1)
+    return HeadState(cache=cache, pending=jnp.zeros((b, num_nodes + 1, prompt.shape[-1]), prompt.dtype),
+                     prompt=prompt, first=jnp.array(True))
+
+
+def keep_accepted_features(head: Eagle3Params, state: HeadState, verification, acceptance) -> HeadState:
+    """The state after a round: the fused features of the root and the accepted nodes become the pending pairs of
+    the next round (they start at the old committed length, the root's position, where the head's cache ends)."""
+    path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
+    hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
+    return dataclasses.replace(state, pending=fuse_features(head, hidden).astype(state.pending.dtype))
+
+
 def pending_pairs(cache: KVCache, history: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
     """(positions, tokens), int32[B, W] each, of the `width` pairs a head caches next: pair i sits at position
     cache.lengths + i and carries the token after it, history[position + 1] (EAGLE heads and the block heads)."""
@@ -593,11 +612,7 @@ class Eagle3Drafter(Drafter):
     name: str = "eagle3"
 
     def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
-        b = prompt_tokens.shape[0]
-        prompt = fuse_features(params, prefill_out.hidden)  # [B, P, d]
-        cache = init_cache(target_cfg, b, cache_size, params.wk.dtype, num_layers=1)
-        return HeadState(cache=cache, pending=jnp.zeros((b, self.num_nodes + 1, prompt.shape[-1]), prompt.dtype),
-                           prompt=prompt, first=jnp.array(True))
+        return init_head_state(params, target_cfg, prefill_out, cache_size, self.num_nodes)
 
     def propose(self, params, state: HeadState, inputs: RoundInputs, target_cfg, sampling, rng):
         embed = inputs.target_weights.embed
@@ -616,9 +631,7 @@ class Eagle3Drafter(Drafter):
         return tree, dataclasses.replace(state, cache=cache, first=jnp.array(False)), inputs.target_cache
 
     def update(self, params, state: HeadState, inputs, verification, acceptance):
-        path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
-        hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
-        return dataclasses.replace(state, pending=fuse_features(params, hidden).astype(state.pending.dtype))
+        return keep_accepted_features(params, state, verification, acceptance)
 
     def draft_cost_layers(self, target_cfg):
         return float(self.depth)  # one decoder layer, `depth` forwards per round (m = depth, Ls = 1)
