@@ -9,7 +9,7 @@
     python benchmarks/profile_step.py --attention              # attention over the cache: two product orientations
 
 Per-op durations come from the trace; each op is attributed to the phase named in the compiled HLO's op_name
-(the loop's `jax.named_scope`s: draft, verify, commit). Ops of the two cores overlap, so the shares are what to
+(the loop's `jax.named_scope`s: draft, verify, accept, commit). Ops of the two cores overlap, so the shares are what to
 read, not the sums. See docs/cpu-performance.md for what these showed.
 """
 
@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import re
-import tempfile
 import time
 
 import jax
@@ -31,36 +27,14 @@ import numpy as np
 from jaxspec.generate import generate_tokens
 from jaxspec.loading import DEFAULT_MODEL, load_model
 from jaxspec.model import unstack_layers
-
-
-def _trace(run, steps: int) -> collections.Counter:
-    """Runs `run` once under the profiler; returns {op name: microseconds} over the trace."""
-    folder = tempfile.mkdtemp(prefix="jaxspec-profile-")
-    jax.profiler.start_trace(folder)
-    run()
-    jax.profiler.stop_trace()
-    trace = json.load(gzip.open(sorted(glob.glob(folder + "/**/*.trace.json.gz", recursive=True))[-1]))
-    times = collections.Counter()
-    for event in trace["traceEvents"]:
-        if event.get("ph") == "X" and not event["name"].startswith(("ThunkExecutor", "$", "Pjit", "Slinky", "end:")):
-            times[event["name"]] += event["dur"]
-    return times
-
-
-def _scopes(compiled_text: str) -> dict[str, str]:
-    """HLO instruction name -> its op_name metadata."""
-    out = {}
-    for line in compiled_text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*op_name=\"([^\"]*)\"", line)
-        if m:
-            out[m.group(1)] = m.group(2)
-    return out
+from jaxspec.profiling import op_scopes, traced_op_times
+from jaxspec.speculative import ROUND_PHASES
 
 
 def _kind(op: str, scope: str, by_op: bool = False) -> str:
     """The group an op's time goes to: its phase (draft, verify, commit) or its kind of op; with `by_op`, both."""
     name = re.sub(r"[.\d]+$", "", op)
-    for phase in ("draft", "verify", "commit"):
+    for phase in ROUND_PHASES:
         if f"/{phase}/" in scope:
             return f"{phase}: {_op_kind(name)}" if by_op else phase
     return _op_kind(name)
@@ -96,8 +70,8 @@ def profile_loop(args) -> None:
     result = run()
     seconds = time.perf_counter() - start
     rounds = args.steps if args.method == "autoregressive" else int(np.asarray(result[2]).max())
-    scopes = _scopes(fn.lower(*call_args, **kwargs).compile().as_text())
-    times = _trace(run, rounds)
+    scopes = op_scopes(fn.lower(*call_args, **kwargs).compile().as_text())
+    times = traced_op_times(run)
     grouped = collections.Counter()
     for op, us in times.items():
         grouped[_kind(op, scopes.get(op, ""), args.by_op)] += us

@@ -43,6 +43,7 @@ from jaxspec.errors import UserError
 from jaxspec.generate import pad_prompts
 from jaxspec.loading import LoadedModel
 from jaxspec.methods import Method, build_method
+from jaxspec.profiling import round_phase_ms
 from jaxspec.sampling import SamplingConfig
 
 __all__ = ["add_bench_parser", "cmd_bench", "format_table", "run_bench", "write_outputs"]
@@ -133,6 +134,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "tree nodes N")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the plots (default bench_out/)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers' generate and prompt lookup")
+    p.add_argument("--phases", action="store_true",
+                   help="also time each speculative round's phases (draft, verify, accept, commit) in ms, from one "
+                        "profiled run of each row's first batch (jaxspec.profiling; one more compilation per row)")
     return p
 
 
@@ -347,6 +351,7 @@ def run_bench(
     peer_prompt_lookup_ks: Sequence[int] = (4,),
     ngram: int = 3,
     progress: bool = True,
+    phases: bool = False,
 ) -> dict:
     """Times every method against autoregressive decoding on every prompt set x temperature x batch size.
 
@@ -364,6 +369,8 @@ def run_bench(
         peer_prompt_lookup_ks: `prompt_lookup_num_tokens` values for the "hf-prompt-lookup" peer.
         ngram: `max_matching_ngram_size` of the transformers prompt lookup (jaxspec's --ngram).
         progress: Show a tqdm progress bar over the runs.
+        phases: Add "round_ms" to each row of the speculative loop: its round's time by phase
+            (`jaxspec.profiling.round_phase_ms` on the row's first batch).
 
     Returns:
         A dict with "results" (one row per method, prompt set, temperature and batch size, then the peers' rows),
@@ -400,6 +407,9 @@ def run_bench(
                         row = _summarize(method, run, baselines.get(key), prompt_set=set_name,
                                          temperature=float(temperature), batch_size=batch_size,
                                          num_batches=len(batches))
+                        if phases and method.drafter is not None and not method.is_pipeline:
+                            row["round_ms"] = round_phase_ms(method, batches[0], max_new_tokens=max_new_tokens,
+                                                             sampling=sampling, seed=seed, eos_ids=eos_ids)
                         baselines.setdefault(key, row)
                         if row["matches_autoregressive"] is False:
                             warnings.append(_greedy_warning(row))
@@ -490,6 +500,14 @@ def _acceptance(values: Sequence[float | None] | None, shown: int = 4) -> str:
     return text + (" ..." if len(values) > shown else "")
 
 
+def _round_ms(phases: dict | None) -> str:
+    """"12.3 = 2.1+8.9+0.4+0.6+0.3" from a row's round_ms (jaxspec.profiling.round_phase_ms)."""
+    if not phases:
+        return "-"
+    parts = "+".join(f"{phases[p]:.1f}" for p in ("draft", "verify", "accept", "commit", "loop"))
+    return f"{phases['round']:.1f} = {parts}"
+
+
 def _ordered(results: Sequence[dict]) -> list[dict]:
     """Rows in run order, each (set, T, batch) group's jaxspec rows followed by its peer rows."""
     def group(r):
@@ -503,6 +521,9 @@ def format_table(bench: dict) -> str:
     """The results as a plain-text table (one line per method, prompt set, temperature and batch size)."""
     header = ["method", "K", "set", "T", "batch", "mesh", "prompts", "tokens", "tok/s", "speedup", "tau", "theory",
               "accept@1..4", "=AR"]
+    phases = any(r.get("round_ms") for r in bench["results"])
+    if phases:
+        header.append("round ms = draft+verify+accept+commit+loop")
     lines = []
     for r in _ordered(bench["results"]):
         equal = r["matches_autoregressive"]
@@ -520,8 +541,10 @@ def format_table(bench: dict) -> str:
                       _fmt(r["tokens_per_second"], ".1f"), _fmt(r["speedup"]) + ("x" if r["speedup"] else ""),
                       _fmt(r["tau"]), _fmt(theory) + ("x" if theory else ""),
                       _acceptance(r["acceptance_by_position"]), equal_text])
+        if phases:
+            lines[-1].append(_round_ms(r.get("round_ms")))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
-    left = {0, 2, 5, 12}
+    left = {0, 2, 5, 12, 14}
 
     def fmt(cells):
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -775,7 +798,7 @@ def cmd_bench(args) -> None:
           f"{args.max_new_tokens} new tokens", file=sys.stderr)
     bench = run_bench(target, methods, prompt_sets, temperatures=args.temperatures, batch_sizes=args.batch_sizes,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, peers=not args.no_peers,
-                      peer_prompt_lookup_ks=lookup_ks, ngram=args.ngram)
+                      peer_prompt_lookup_ks=lookup_ks, ngram=args.ngram, phases=args.phases)
     bench = {"command": shlex.join(["jaxspec", *sys.argv[1:]]), "model": args.model, "source": target.source,
              "dtype": str(target.weights.embed.dtype), "backend": jax.default_backend(),
              "jax_version": jax.__version__, "cpu_count": os.cpu_count(), "limit": args.limit,
@@ -787,7 +810,9 @@ def cmd_bench(args) -> None:
           f"C = drafting work in target layers (EAGLE: one layer x depth); ppsd/spd: tau = L'acc = alpha * n "
           f"(alpha = tokens per pipeline step; stages emulated on one device unless --stage-devices), theory = L'acc "
           f"(spd, drafting hidden) or L'acc * L / (Ls * n + L); accept@i = fraction of rounds "
-          f"accepting draft position i; =AR: T=0 tokens equal autoregressive's. {WARMUP_NOTE.split(':')[0]}.")
+          f"accepting draft position i; =AR: T=0 tokens equal autoregressive's. {WARMUP_NOTE.split(':')[0]}."
+          + (" round ms: one round's wall time split by phase, from one profiled run of the first batch (op time "
+             "shares; loop = the loop's own bookkeeping)." if args.phases else ""))
     if "skipped" in bench["peers"]:
         print(f"Peers skipped: {bench['peers']['skipped']}.")
     print(f"Wrote {', '.join(written.values())}")

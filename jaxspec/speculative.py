@@ -1,5 +1,7 @@
 """The one speculative decoding loop: prefill, then rounds of propose -> verify -> accept -> commit -> update.
 
+The round's phases are named scopes of the compiled loop (`ROUND_PHASES`), which `jaxspec.profiling` times.
+
 Everything runs in one jitted `lax.while_loop`; a round never recompiles. Each batch row advances by its own
 accepted length (its own cache length, history and output offset); rows that hit EOS or max_new_tokens stop
 committing while the others go on.
@@ -26,6 +28,8 @@ from jaxspec.model import Weights, execution_weights
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 from jaxspec.sharding import place_inputs, replicate_on_mesh, to_host
 from jaxspec.verification import verify_and_accept, verify_forward
+
+ROUND_PHASES = ("draft", "verify", "accept", "commit")  # the loop body's jax.named_scopes, in order
 
 
 def _write_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
@@ -95,6 +99,7 @@ def speculative_generate_tokens(
             tree, state, cache = drafter.propose(drafter_params, state, inputs, cfg, sampling, draft_key)
         with jax.named_scope("verify"):
             verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers, mesh)
+        with jax.named_scope("accept"):
             acc = verify_and_accept(tree, verification.logits, sampling,  # logits [B, T+1, V]
                                     jax.random.uniform(accept_key, (b, num_nodes)), jax.random.uniform(bonus_key, (b,)),
                                     mesh)
@@ -159,17 +164,11 @@ def speculative_generate(
 ) -> SpeculativeResult:
     """Speculative generation for token-id prompts of any lengths: the same tokens as `generate` at T=0, the same
     distribution at T>0. mesh: a (data, model) mesh to run on (the batch must split over its data axis)."""
-    batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_nodes + 1)
-    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    weights, tokens, lengths, rng = place_inputs(mesh, cfg, weights, batch.tokens, batch.lengths, seed)
-    drafter_params = replicate_on_mesh(mesh, drafter_params)
-    if isinstance(drafter_params, Weights):  # a draft model: run on this backend's layout, like the target
-        drafter_params = execution_weights(drafter_params, mesh)
+    args, kwargs = loop_arguments(weights, cfg, drafter, drafter_params, prompt_ids, max_new_tokens=max_new_tokens,
+                                  sampling=sampling, seed=seed, eos_ids=eos_ids, max_cache_length=max_cache_length,
+                                  mesh=mesh)
     start = time.perf_counter()
-    out, counts, rounds, accepted = speculative_generate_tokens(
-        weights, cfg, drafter, drafter_params, tokens, lengths, rng, max_new_tokens=max_new_tokens,
-        cache_size=batch.cache_size, sampling=sampling, eos_ids=eos, mesh=mesh,
-    )
+    out, counts, rounds, accepted = speculative_generate_tokens(*args, **kwargs)
     out, counts, rounds, accepted = (to_host(x) for x in (out, counts, rounds, accepted))
     seconds = time.perf_counter() - start
     return SpeculativeResult(
@@ -179,3 +178,20 @@ def speculative_generate(
         accepted=[row[row >= 0].tolist() for row in accepted],
         num_draft_nodes=drafter.num_nodes,
     )
+
+
+def loop_arguments(weights: Weights, cfg: ModelConfig, drafter: Drafter, drafter_params: Any,
+                   prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: SamplingConfig,
+                   seed: int, eos_ids: Sequence[int] | None, max_cache_length: int | None,
+                   mesh: Mesh | None) -> tuple[tuple, dict]:
+    """(args, kwargs) of `speculative_generate_tokens` for these prompts: padded, placed on the mesh, the draft
+    model's weights in this backend's layout (what `speculative_generate` runs, and `jaxspec.profiling` traces)."""
+    batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_nodes + 1)
+    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    weights, tokens, lengths, rng = place_inputs(mesh, cfg, weights, batch.tokens, batch.lengths, seed)
+    drafter_params = replicate_on_mesh(mesh, drafter_params)
+    if isinstance(drafter_params, Weights):  # a draft model: run on this backend's layout, like the target
+        drafter_params = execution_weights(drafter_params, mesh)
+    return ((weights, cfg, drafter, drafter_params, tokens, lengths, rng),
+            dict(max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling, eos_ids=eos,
+                 mesh=mesh))

@@ -89,15 +89,41 @@ def test_outputs_written(bench, tmp_path):
 
 
 def test_sampling_rows_and_flags(tiny_llama3, tmp_path):
-    """T > 0: no token equality claim; a lone method still gets its autoregressive baseline; no sweep, no K plot."""
+    """T > 0: no token equality claim; a lone method still gets its autoregressive baseline; no sweep, no K plot.
+    With phases, the speculative row's round is split into its phases (profiled), the baseline's is not."""
     _, target, _ = tiny_llama3
     method = build_method("prompt-lookup", target, MethodOptions(num_draft_tokens=2))
     out = run_bench(target, [method], {"s": [[5, 6, 7, 5, 6, 7, 5, 6]]}, temperatures=(1.0,), batch_sizes=(1,),
-                    max_new_tokens=8, seed=3, progress=False)
+                    max_new_tokens=8, seed=3, progress=False, phases=True)
     assert [r["method"] for r in out["results"]] == ["autoregressive", "prompt-lookup"]
     assert all(r["matches_autoregressive"] is None for r in out["results"])
     assert out["results"][0]["speedup"] == 1.0 and out["peers"] == {"skipped": "not requested (--no-peers)"}
+    assert "round_ms" not in out["results"][0]
+    phases = out["results"][1]["round_ms"]
+    parts = ("draft", "verify", "accept", "commit", "loop")
+    assert phases["round"] == pytest.approx(sum(phases[p] for p in parts))
+    assert phases["verify"] > 0 and all(phases[p] >= 0 for p in parts) and phases["prefill"] > 0
+    assert 1 <= phases["rounds"] <= 7  # the first token comes from the prefill
+    assert "round ms" in format_table(out).splitlines()[0]
     assert set(write_outputs(out, str(tmp_path))) == {"json", "accepted_length"}
+
+
+def test_ops_are_attributed_to_the_phase_they_were_traced_in():
+    from jaxspec.profiling import LOOP, PREFILL, op_scopes, phase_of, split_by_phase
+    from jaxspec.speculative import ROUND_PHASES
+
+    text = """  %fusion.3 = f32[2] fusion(...), metadata={op_name="jit(f)/while/body/draft/eagle_tree/dot_general"}
+  ROOT %dot.1 = f32[2] dot(...), metadata={op_name="jit(f)/while/body/verify/shard_map/dot_general" source_file="x"}
+  %add.7 = s32[] add(...), metadata={op_name="jit(f)/while/body/add"}
+  %copy.2 = f32[2] copy(...), metadata={op_name="jit(f)/prefill/scan/dot_general"}
+  %sort.9 = f32[2] sort(...), metadata={op_name="jit(f)/while/body/accept/sort"}"""
+    scopes = op_scopes(text)
+    assert scopes["dot.1"] == "jit(f)/while/body/verify/shard_map/dot_general"
+    assert [phase_of(scopes[op], ROUND_PHASES) for op in ("fusion.3", "dot.1", "add.7", "copy.2", "sort.9")] == [
+        "draft", "verify", LOOP, PREFILL, "accept"]
+    assert phase_of("jit(f)/while/body/verify_forward/x", ROUND_PHASES) == LOOP  # whole names, not prefixes
+    grouped = split_by_phase({"fusion.3": 5, "dot.1": 7, "sort.9": 1, "unknown.1": 2}, scopes, ROUND_PHASES)
+    assert grouped == {"draft": 5, "verify": 7, "accept": 1, PREFILL: 2}
 
 
 def test_bench_parser_sweeps_k_and_lists():
