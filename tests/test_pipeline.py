@@ -163,9 +163,9 @@ T1, T07_K3, T13_P08 = (SamplingConfig(temperature=1.0), SamplingConfig(temperatu
                        SamplingConfig(temperature=1.3, top_p=0.8))
 
 
-@pytest.mark.parametrize("n,width,kind,sampling", [
-    (2, 1, "ppsd", T1), (2, 1, "spd", T07_K3), (4, 1, "spd", T13_P08), (4, 1, "ppsd", T07_K3),
-    (4, 2, "ppsd", T1), (4, 2, "spd", T13_P08)])
+# two stages at W = 1, with each filter, run for ppsd and spd from the registry in test_sampled_loop.py; here the
+# deeper pipelines and the siblings that only these counters show
+@pytest.mark.parametrize("n,width,kind,sampling", [(4, 1, "ppsd", T07_K3), (4, 2, "ppsd", T1), (4, 2, "spd", T13_P08)])
 def test_sampled_output_has_the_target_distribution(n, width, kind, sampling):
     """12,000 sampled 3-token continuations against the target's exact distribution (all 6^3 sequences enumerated):
     Pearson's chi-square stays under its p = 1e-4 quantile. The same samples against the distribution at 1.5x the
@@ -351,6 +351,7 @@ def _child() -> dict:
 
     assert len(jax.devices()) == NUM_FAKE_DEVICES, jax.devices()
     jax.config.update("jax_default_matmul_precision", "highest")
+    jax.config.update("jax_disable_most_optimizations", True)  # the stage layout is under test, not CPU code generation
     # a tiny random 6-layer model (stage counts 2, 3 and 6 divide it): the stage layout is under test, not the
     # model, and SmolLM2 cost minutes of compilation per case on fake devices
     cfg = dataclasses.replace(tiny_config("llama", 4), num_layers=6, max_position_embeddings=256)

@@ -6,11 +6,18 @@ prompt at once, and the joint distribution of the first new tokens is compared w
 exactly over a vocabulary of 8 (a chi-square test; the seed is fixed, so the test is deterministic). The tiny models
 are scaled so that their distributions are far from one-hot and the draft model's differ from the target's: a drafter
 that reports a q other than the one it sampled from (an untempered softmax, q without top-k or top-p) moves the output
-by several hundredths, which the test detects (`test_a_drafter_reporting_the_wrong_q_is_caught`).
+by several hundredths, which the test detects (`test_a_drafter_reporting_the_wrong_q_is_caught`;
+`scripts/mutation_check.py` plants more such bugs and shows that the tests fail on each).
+
+Every method of the registry (`jaxspec.registry`) is checked without being named, built as the CLI builds it (learned
+heads untrained), with temperature, top-k and top-p all binding; hand-made drafters add the shapes the defaults
+do not reach (a reduced draft vocabulary, sibling trees), and a prompt whose lookup runs out tests padding nodes.
 """
 
 import dataclasses
+import functools
 import itertools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +25,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxspec import methods
 from jaxspec.config import ModelConfig
-from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
+from jaxspec.drafters import DraftModelDrafter, PromptLookupDrafter
+from jaxspec.drafters.prompt_lookup import find_continuation
+from jaxspec.loading import LoadedModel
 from jaxspec.model import forward, init_weights
+from jaxspec.registry import METHOD_SPECS
 from jaxspec.sampling import SamplingConfig, target_probs
 from jaxspec.speculative import speculative_generate
 
@@ -29,20 +40,24 @@ CFG = ModelConfig(architecture="llama", vocab_size=V, hidden_size=32, intermedia
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 TARGET = init_weights(CFG, jax.random.key(11), scale=0.5)
 DRAFT = init_weights(CFG, jax.random.key(12), scale=0.5)
-PROMPT = [1, 3, 0, 2, 1, 3]  # repeats, so prompt lookup finds continuations
+PROMPT = (1, 3, 0, 2, 1, 3)  # repeats, so prompt lookup finds continuations
+# prompt lookup finds only "5" -> "5": one drafted token, then padding nodes (valid False) in the first round
+RUNS_OUT = (2, 5, 5)
 NEW = 3  # new tokens compared (V ** NEW = 512 sequences)
 ROWS = 4096  # samples: rows of one generate call
-# temperature, top-k and top-p together: a q missing any of them is not the distribution the drafter sampled
-SAMPLING = SamplingConfig(temperature=0.8, top_k=5, top_p=0.9)
+# temperature, top-k and top-p together, each of them changing the distribution (checked below): a q missing any
+# of them is not the distribution the drafter sampled. One sampling structure, so one compiled loop per method.
+SAMPLING = SamplingConfig(temperature=1.3, top_k=4, top_p=0.9)
 
 
-def _target_distribution(sampling: SamplingConfig) -> dict[tuple, float]:
-    """p(y_1..y_NEW | PROMPT) for every y in V^NEW, from one forward over all of them."""
+@functools.lru_cache(maxsize=None)
+def _target_distribution(sampling: SamplingConfig, prompt: tuple = PROMPT) -> dict[tuple, float]:
+    """p(y_1..y_NEW | prompt) for every y in V^NEW, from one forward over all of them."""
     seqs = np.array(list(itertools.product(range(V), repeat=NEW)), np.int32)  # [S, NEW]
-    ids = jnp.asarray(np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1))  # [S, P + NEW]
+    ids = jnp.asarray(np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1))  # [S, P + NEW]
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
     probs = np.asarray(target_probs(forward(TARGET, CFG, ids, positions).logits, sampling), np.float64)  # [S, L, V]
-    p = len(PROMPT)
+    p = len(prompt)
     steps = probs[np.arange(len(seqs))[:, None], p - 1 + np.arange(NEW)[None], seqs]  # [S, NEW]
     return {tuple(s): float(x) for s, x in zip(seqs.tolist(), steps.prod(axis=1))}
 
@@ -64,26 +79,46 @@ def _p_value(token_ids: list[list[int]], expected: dict[tuple, float]) -> float:
     return float(stats.chisquare(observed, wanted).pvalue)
 
 
+def _registry_method(name: str):
+    """The method as the CLI builds it on the tiny target (`build_method`): learned heads untrained (their LM heads
+    start as the target's, so their q is far from uniform), the draft model the noisy DRAFT, trees and budgets given
+    small by hand (no cost model is measured), pipelines of 2 one-layer stages."""
+    spec = METHOD_SPECS[name]
+    options = {}
+    if spec.learned:
+        options["drafter"] = "untrained"
+    if "draft_model" in spec.options:
+        options["draft_model"] = "tiny-draft"
+    if spec.auto == "tree":
+        options.update(num_draft_tokens=3, tree_width=2, tree_nodes=5)
+    elif spec.auto == "budget":
+        options["budget"] = 3 if spec.chain_budget else 5
+    if spec.pipeline:
+        options["num_stages"] = 2
+    target = LoadedModel(config=CFG, weights=TARGET, tokenizer=None, source="tiny-v8")
+    draft = LoadedModel(config=CFG, weights=DRAFT, tokenizer=None, source="tiny-v8-draft")
+    with mock.patch.object(methods, "load_model", lambda path, dtype=None: draft):
+        return methods.build_method(name, target, methods.MethodOptions(**options))
+
+
+REGISTRY = [n for n in METHOD_SPECS if n != "autoregressive"]
+
+
 def _drafters():
-    """(label, drafter, params): every drafter of the speculative loop on the tiny target (learned heads untrained,
-    their random matrices scaled so that their q is far from uniform)."""
+    """(label, drafter, params): shapes the registry's defaults do not reach: a draft vocabulary of 6 of the 8 ids
+    (6 and 7 never drafted) for the heads, their random matrices scaled so that their q is far from uniform; a
+    draft-model tree of top-2 siblings."""
     from jaxspec.drafters.block_head import ParallelHeadConfig
     from jaxspec.drafters.eagle import Eagle3Config
-    from jaxspec.drafters.medusa import MedusaConfig
 
-    counts = np.arange(V)[::-1].copy()  # draft vocabulary: the 6 lowest ids (6 and 7 are never drafted)
+    counts = np.arange(V)[::-1].copy()  # draft vocabulary: the 6 lowest ids
     eagle = Eagle3Config(feature_layers=(0, 1), draft_vocab_size=6, depth=3, top_k=2, num_nodes=5, init_scale=0.5)
-    out = [
-        ("draft-model chain (sampled, q kept)", DraftModelDrafter(depth=3, draft_cfg=CFG), DRAFT),
+    out = [  # (the registry's draft-model is a sampled chain)
         ("draft-model tree (top-2 siblings)", DraftModelDrafter(depth=2, tree_width=2, draft_cfg=CFG), DRAFT),
-        ("early-exit chain", EarlyExitDrafter(depth=2, exit_layer=1), None),
-        ("prompt lookup", PromptLookupDrafter(depth=3), None),
         ("eagle3 dynamic tree", eagle.for_target(CFG).make_drafter(),
          eagle.init_params(CFG, TARGET, jax.random.key(3), counts)),
-        ("medusa", MedusaConfig(num_heads=2, choices=((0,), (1,), (0, 0), (0, 1))).make_drafter(),
-         MedusaConfig(num_heads=2).init_params(CFG, TARGET)),
     ]
-    for mode, attention in (("dflash", "bidirectional"), ("ddtree", "bidirectional"), ("jetspec", "tree_causal")):
+    for mode, attention in (("dflash", "bidirectional"), ("jetspec", "tree_causal")):  # ddtree: dflash's head
         head = ParallelHeadConfig(attention=attention, feature_layers=(0, 1), draft_vocab_size=6, block_size=3,
                                   budget=5, tree_width=2, refresh_steps=1, init_scale=0.5).for_target(CFG)
         out.append((mode, head.make_drafter(mode), head.init_params(CFG, TARGET, jax.random.key(4), counts)))
@@ -93,8 +128,8 @@ def _drafters():
 DRAFTERS = _drafters()
 
 
-def _sampled_rows(drafter, params, seed=0) -> list[list[int]]:
-    result = speculative_generate(TARGET, CFG, drafter, params, [PROMPT] * ROWS, max_new_tokens=NEW,
+def _sampled_rows(drafter, params, seed=0, prompt=PROMPT) -> list[list[int]]:
+    result = speculative_generate(TARGET, CFG, drafter, params, [list(prompt)] * ROWS, max_new_tokens=NEW,
                                   sampling=SAMPLING, seed=seed, eos_ids=())
     return result.token_ids
 
@@ -115,9 +150,37 @@ def test_the_target_distribution_is_far_from_one_hot(expected):
     assert 0.5 * np.abs(p - q).sum() > 0.2
 
 
+def test_temperature_top_k_and_top_p_each_change_the_distribution(expected):
+    """SAMPLING's three settings all bind: dropping any one of them moves the target's distribution of the NEW
+    tokens by several hundredths, so a q that misses one of them is a different q."""
+    for dropped in (dict(temperature=1.0), dict(top_k=0), dict(top_p=1.0)):
+        other = _target_distribution(dataclasses.replace(SAMPLING, **dropped))
+        assert 0.5 * sum(abs(p - other[k]) for k, p in expected.items()) > 0.05, dropped
+
+
+@pytest.mark.parametrize("name", REGISTRY)
+def test_every_registry_method_samples_the_target_distribution(name, expected):
+    """Through Method.generate (the speculative loop, or the pipeline loop for ppsd/spd), with temperature, top-k
+    and top-p all in effect."""
+    method = _registry_method(name)
+    rows = method.generate([list(PROMPT)] * ROWS, max_new_tokens=NEW, sampling=SAMPLING, seed=1,
+                           eos_ids=()).token_ids
+    assert _p_value(rows, expected) > 1e-3, name
+
+
 @pytest.mark.parametrize("label,drafter,params", DRAFTERS, ids=[d[0] for d in DRAFTERS])
 def test_sampled_output_follows_the_target_distribution(label, drafter, params, expected):
     assert _p_value(_sampled_rows(drafter, params), expected) > 1e-3, label
+
+
+def test_drafts_that_run_out_leave_the_distribution_exact():
+    """Prompt lookup on RUNS_OUT finds one token to copy: the round's other nodes are padding (valid False), at
+    T > 0 with top-k and top-p."""
+    history = jnp.zeros((16,), jnp.int32).at[:3].set(jnp.asarray(RUNS_OUT))
+    found, _, valid = find_continuation(history, jnp.int32(2), 1, 3)
+    assert bool(found) and np.asarray(valid).tolist() == [True, False, False]  # the case under test
+    rows = _sampled_rows(PromptLookupDrafter(depth=3), None, prompt=RUNS_OUT)
+    assert _p_value(rows, _target_distribution(SAMPLING, RUNS_OUT)) > 1e-3
 
 
 def test_a_drafter_reporting_the_wrong_q_is_caught(monkeypatch, expected):

@@ -153,9 +153,8 @@ def chat_prompts(smollm2, smollm2_reference):
 ])
 def test_greedy_equals_autoregressive_on_smollm2(smollm2, chat_prompts, method, options):
     expected = generate(smollm2.weights, smollm2.config, chat_prompts, max_new_tokens=40).token_ids
-    m = build_method(method, smollm2, options)
-    assert m.generate(chat_prompts[:1], max_new_tokens=40).token_ids == expected[:1]
-    result = m.generate(chat_prompts, max_new_tokens=40)
+    # rows of different lengths in one batch (batch 1 and 3 of every method run on a tiny model in test_registry.py)
+    result = build_method(method, smollm2, options).generate(chat_prompts, max_new_tokens=40)
     assert result.token_ids == expected
     assert result.tau >= 1.0
 
