@@ -313,7 +313,7 @@ def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOption
 def _method_config(method: str, config: dict):
     """The drafter config dataclass of a learned method from a checkpoint's settings (the method's fixed settings
     first, the checkpoint's over them)."""
-    from jaxspec.configs import from_dict
+    from jaxspec.config_files import from_dict
 
     spec = method_spec(method)
     if not spec.learned:

@@ -22,19 +22,9 @@ from jaxspec.checkpoint import (
     load_drafter,
     save_drafter,
 )
-from jaxspec.configs import (
-    OptimConfig,
-    TrainConfig,
-    apply_overrides,
-    dump_config,
-    from_dict,
-    load_config,
-    make_optimizer,
-    make_schedule,
-    parse_yaml,
-    to_dict,
-)
+from jaxspec.config_files import apply_overrides, dump_config, from_dict, load_config, parse_yaml, to_dict
 from jaxspec.errors import UserError
+from jaxspec.training.config import OptimConfig, TrainConfig, make_optimizer, make_schedule
 
 YAML = """
 method: medusa

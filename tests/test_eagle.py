@@ -356,10 +356,11 @@ def test_training_time_test_equals_a_manual_unroll(tiny_llama3):
 
 
 def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_path):
-    from jaxspec.configs import TrainConfig, from_dict
+    from jaxspec.config_files import from_dict
     from jaxspec.data import RegeneratedDataset
     from jaxspec.drafters.eagle import eagle3_loss, response_token_counts
     from jaxspec.methods import MethodOptions, build_method
+    from jaxspec.training.config import TrainConfig
     from jaxspec.training.distill import target_features, train
 
     target, data = tiny_data
@@ -402,8 +403,9 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
 def test_config_file_and_refusals(tiny_llama3):
     import os
 
-    from jaxspec.configs import TrainConfig, from_dict, load_config
+    from jaxspec.config_files import from_dict, load_config
     from jaxspec.errors import UserError
+    from jaxspec.training.config import TrainConfig
 
     _, model, _ = tiny_llama3
     path = os.path.join(os.path.dirname(__file__), "..", "configs", "eagle3-smollm2-135m.yaml")
@@ -422,9 +424,10 @@ def test_eagle1_training_regresses_features_with_the_target_lm_head_frozen(tiny_
     """`method: eagle` trains the EAGLE-1 head (feature regression + token loss, noise, teacher forcing): fc and the
     LM head stay the target's, the regression error falls, and one checkpoint serves `eagle` (static tree) and
     `eagle2` (dynamic tree) losslessly; `eagle3` refuses it."""
-    from jaxspec.configs import TrainConfig, from_dict
+    from jaxspec.config_files import from_dict
     from jaxspec.errors import UserError
     from jaxspec.methods import MethodOptions, build_method
+    from jaxspec.training.config import TrainConfig
     from jaxspec.training.distill import train
 
     target, data = tiny_data

@@ -367,7 +367,7 @@ def test_export_cli_and_loading_both_formats_as_drafter(tiny_llama3, tmp_path, c
 
     from jaxspec.checkpoint import save_drafter
     from jaxspec.cli import main
-    from jaxspec.configs import to_dict
+    from jaxspec.config_files import to_dict
     from jaxspec.generate import generate
     from jaxspec.methods import MethodOptions, build_method
 

@@ -263,7 +263,8 @@ def trained_heads(tiny_data, tmp_path_factory):
     import json
     import os
 
-    from jaxspec.configs import TrainConfig, from_dict
+    from jaxspec.config_files import from_dict
+    from jaxspec.training.config import TrainConfig
     from jaxspec.training.distill import train
 
     target, data = tiny_data

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from conftest import fixture_path
 
-from jaxspec.configs import TrainConfig, from_dict, to_dict
+from jaxspec.config_files import from_dict, to_dict
 from jaxspec.errors import UserError
 from jaxspec.generate import generate
 from jaxspec.loading import load_model
 from jaxspec.methods import MethodOptions, build_method
+from jaxspec.training.config import TrainConfig
 
 TINY = fixture_path("tiny-llama3")
 
@@ -120,7 +121,7 @@ def test_data_from_another_target_is_refused(tiny_data, tmp_path):
 
 
 def _to_plain(config):
-    from jaxspec.configs import to_dict
+    from jaxspec.config_files import to_dict
 
     return to_dict(config)
 
@@ -140,7 +141,8 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-from jaxspec.configs import TrainConfig, from_dict, make_optimizer
+from jaxspec.config_files import from_dict
+from jaxspec.training.config import TrainConfig, make_optimizer
 from jaxspec.data import RegeneratedDataset
 from jaxspec.loading import load_model
 from jaxspec.sharding import make_mesh
@@ -149,7 +151,7 @@ from jaxspec.training.distill import _shardings, make_train_step, trainable_for
 config = from_dict(TrainConfig, json.loads({config!r}))
 target = load_model(config.target)
 trainable = trainable_for("medusa")
-from jaxspec.configs import from_dict as fd
+from jaxspec.config_files import from_dict as fd
 mcfg = fd(trainable.config_cls, dict(config.drafter))
 params = trainable.init_params(mcfg, target, jax.random.key(0))
 params = jax.tree.map(lambda x: x + 0.01, params)
@@ -169,7 +171,7 @@ print(json.dumps(out))
 
 
 def test_data_parallel_step_equals_single_device(tiny_data, tmp_path):
-    from jaxspec.configs import to_dict
+    from jaxspec.config_files import to_dict
 
     _, data = tiny_data
     config = json.dumps(to_dict(_config(data, str(tmp_path / "run"))))
@@ -195,7 +197,7 @@ def test_untrained_medusa_is_greedy_exact(tiny_data):
 
 def test_cached_features_train_like_features_computed_in_the_step(tiny_data, tmp_path):
     """data.cache_features: the target runs once over the data set; the run ends with the same parameters."""
-    from jaxspec.configs import to_dict
+    from jaxspec.config_files import to_dict
     from jaxspec.training.distill import train
 
     _, data = tiny_data
@@ -234,7 +236,7 @@ def test_features_saved_at_regeneration_train_without_running_the_target(tiny_da
     features (the target's feature forward is never called) and its losses equal those of features computed inside
     the step on the same tokens, to the bfloat16 rounding of the saved features."""
     import jaxspec.training.distill as distill
-    from jaxspec.configs import to_dict
+    from jaxspec.config_files import to_dict
     from jaxspec.data import regenerate_ids
     from jaxspec.drafters.eagle import Eagle3Config
 

@@ -194,7 +194,7 @@ def export_eagle3_hf(path: str | os.PathLike, params: Eagle3Params, mcfg: Eagle3
     """
     from safetensors.numpy import save_file
 
-    from jaxspec.configs import to_dict
+    from jaxspec.config_files import to_dict
 
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"Export dtype '{dtype}' is not supported; use one of {', '.join(EXPORT_DTYPES)}.")
@@ -412,7 +412,7 @@ def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_we
     Raises:
         UserError: what is wrong with the folder and what to do.
     """
-    from jaxspec.configs import from_dict
+    from jaxspec.config_files import from_dict
 
     path = os.fspath(path)
     config, tensors = read_hf_folder(path)

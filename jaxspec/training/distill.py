@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxspec.configs import TrainConfig, from_dict, make_optimizer, to_dict
+from jaxspec.config_files import from_dict, to_dict
 from jaxspec.errors import UserError
 from jaxspec.model import Weights, forward
+from jaxspec.training.config import TrainConfig, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,7 +432,7 @@ def add_train_parser(subparsers) -> None:
 
 
 def cmd_train(args) -> None:
-    from jaxspec.configs import load_config
+    from jaxspec.config_files import load_config
 
     config = load_config(args.config, TrainConfig, args.set)
     maybe_initialize_distributed()
