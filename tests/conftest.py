@@ -16,19 +16,24 @@ def pytest_configure(config):
     """One persistent XLA compilation cache per test run, shared by the xdist workers, the notebook kernels and
     the child processes (they inherit the environment): a program compiled by one of them (the SmolLM2 loops,
     mostly) is read back by the others instead of compiled again. Fresh for every run, so a run's time is that of
-    a clean machine; a folder set by the user is kept."""
+    a clean machine; a folder set by the user is kept. jaxspec's cache folder (measured cost models, draft ranks)
+    is fresh per run too, so tests neither read nor write the user's."""
     folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if folder is None and not hasattr(config, "workerinput"):  # workers inherit the controller's folder
         folder = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxspec-test-xla-")
         config._jaxspec_xla_folder = folder
+    if "JAXSPEC_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
+        # jaxspec's own cache (cost models, draft ranks), fresh too: never the user's ~/.cache/jaxspec
+        os.environ["JAXSPEC_CACHE_DIR"] = config._jaxspec_cache_folder = tempfile.mkdtemp(prefix="jaxspec-test-")
     if folder:
         jax.config.update("jax_compilation_cache_dir", folder)  # this process imported jax before the variable
 
 
 def pytest_unconfigure(config):
-    folder = getattr(config, "_jaxspec_xla_folder", None)
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
+    for name in ("_jaxspec_xla_folder", "_jaxspec_cache_folder"):
+        folder = getattr(config, name, None)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 TINY_MODELS = ("qwen2", "qwen3", "llama3")
