@@ -310,6 +310,7 @@ def regenerate_ids(
     tokenizer: dict | None = None,
     on_shard: Callable[[int, dict], None] | None = None,
     feature_layers: Sequence[int] = (),
+    first_prompt: int = 0,
 ) -> dict:
     """Answers already-tokenized prompts with the target and writes shards plus a manifest to `out_dir`.
 
@@ -336,6 +337,9 @@ def regenerate_ids(
         feature_layers: Also save the residual stream after these target layers at every token, as computed
             while generating (a `.features.npy` beside each shard), so that training never runs the target over
             these tokens again. Include the last layer (num_layers - 1) for the target's own logits.
+        first_prompt: The index of `prompt_ids[0]` in the whole prompt list when these prompts are a later part of
+            it (`jaxspec regenerate --first-prompt`): added to every sample's `source_index`, so that indices stay
+            those of the whole list and data folders made from different parts never share one.
 
     Returns:
         The final manifest (also in `out_dir/manifest.json`).
@@ -378,7 +382,8 @@ def regenerate_ids(
             "dtype": str(np.dtype(target.weights.embed.dtype)),
             **({"feature_layers": feature_layers, "feature_dtype": "bfloat16"} if feature_layers else {}),
         },
-        "prompts": {"source": prompt_source, "count": len(prompt_ids), "sha256": _hash_ids(prompt_ids)},
+        "prompts": {"source": prompt_source, "count": len(prompt_ids), "sha256": _hash_ids(prompt_ids),
+                    **({"first": first_prompt} if first_prompt else {})},
         "shard_size": shard_size,
     }
     os.makedirs(out_dir, exist_ok=True)
@@ -429,7 +434,7 @@ def regenerate_ids(
                 arrays = _generate_shard(target, [prompt_ids[i] for i in source], s, max_new_tokens=max_new_tokens,
                                          batch_size=batch_size, sampling=sampling, seed=seed, on_batch=on_batch,
                                          feature_layers=feature_layers)
-                arrays["source_index"] = source
+                arrays["source_index"] = first_prompt + source  # indices in the whole prompt list
                 features = arrays.pop("features", None)
                 name = SHARD_PATTERN.format(s)
                 path = os.path.join(out_dir, name)
@@ -521,6 +526,7 @@ def regenerate(
     prompt_source: str = "custom",
     on_shard: Callable[[int, dict], None] | None = None,
     feature_layers: Sequence[int] = (),
+    first_prompt: int = 0,
 ) -> dict:
     """Answers text prompts with the target through its chat template; writes shards and a manifest.
 
@@ -545,7 +551,7 @@ def regenerate(
                           max_new_tokens=max_new_tokens, batch_size=batch_size, shard_size=shard_size,
                           sampling=sampling, seed=seed, progress=progress, prompt_source=prompt_source,
                           tokenizer=tokenizer_info(target.tokenizer), on_shard=on_shard,
-                          feature_layers=feature_layers)
+                          feature_layers=feature_layers, first_prompt=first_prompt)
 
 
 # ---------------------------------------------------------------------------------------------- reading

