@@ -86,3 +86,80 @@ def node_depths(parents: jax.Array) -> jax.Array:
 def tree_positions(parents: jax.Array, root_position: jax.Array) -> jax.Array:
     """int32[B, T+1]: RoPE positions of the verification tokens, root_position[b] + depth."""
     return root_position[:, None] + node_depths(parents)
+
+
+# ---------------------------------------------------------------------------------------------- tree selection
+# The tree-shaping steps that depend on scores only, shared by the drafters that grow trees from their heads:
+# EAGLE-2/3 and JetSpec keep the best nodes of a scored pool (`select_nodes`); DDTree and JetSpec grow a best-first
+# tree from per-depth marginals (`best_first_tree`).
+
+
+def select_nodes(pool_scores: jax.Array, pool_parents: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
+    """The best `num_nodes` pool nodes by score, ties to the lower pool index, in pool order.
+
+    When every child scores at most its parent and parents have lower pool indices, the kept set is
+    ancestor-closed and pool order puts parents before children.
+
+    Args:
+        pool_scores: float32[B, M]; pool_parents: int32[B, M], the parent's pool index (-1 = root).
+    Returns:
+        (keep int32[B, N]: pool indices, ascending; parents int32[B, N]: indices into `keep`, -1 = root).
+    """
+    m = pool_scores.shape[1]
+    best = jnp.argsort(-pool_scores, axis=-1, stable=True)[:, :num_nodes]  # [B, N]
+    keep = jnp.sort(best, axis=-1).astype(jnp.int32)  # [B, N]
+    slot_of = jax.vmap(lambda k: jnp.full((m,), -1, jnp.int32).at[k].set(jnp.arange(num_nodes, dtype=jnp.int32)))(
+        keep)  # [B, M]: position in `keep` of each pool node, -1 if dropped
+    parent = jnp.take_along_axis(pool_parents, keep, axis=1)  # [B, N]
+    parents = jnp.where(parent < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(parent, 0), axis=1))
+    return keep, parents
+
+
+def best_first_tree(log_probs: jax.Array, budget: int, width: int):
+    """Best-first tree on the product of per-depth marginals under a node budget (DDTree, JetSpec wave 0).
+
+    A heap of candidates keyed by cumulative log-probability: pop the best candidate, it becomes the next node, and
+    its up-to-W children (the W most likely tokens at the next depth) become candidates; stop after `budget` pops.
+    Static shapes: candidate slot w holds the root's rank-w child, slot W (i + 1) + w node i's rank-w child; a pop is
+    an argmax over the slots (ties to the lowest slot).
+
+    Args:
+        log_probs: float32[B, D, Vd] log marginals, depth d + 1 at index d.
+    Returns:
+        (ids int32[B, budget] draft ids, parents int32[B, budget] (-1 = root, parents[j] < j), valid bool[B, budget]
+        (False when the candidates ran out), scores float32[B, budget] cumulative log-probs), nodes in pop order.
+    """
+    depth_count = log_probs.shape[1]
+    top_lp, top_ids = jax.lax.top_k(log_probs, width)  # [B, D, W]
+    slots = (budget + 1) * width
+
+    def one_row(top_lp, top_ids):  # [D, W] each
+        state = dict(
+            score=jnp.full((slots,), -jnp.inf, jnp.float32).at[:width].set(top_lp[0]),  # [M] -inf: empty or popped
+            parent=jnp.full((slots,), -1, jnp.int32),  # [M] node index of the candidate's parent
+            depth=jnp.zeros((slots,), jnp.int32).at[:width].set(1),  # [M]
+            rank=jnp.tile(jnp.arange(width, dtype=jnp.int32), budget + 1),  # [M]
+            ids=jnp.zeros((budget,), jnp.int32), parents=jnp.full((budget,), -1, jnp.int32),
+            valid=jnp.zeros((budget,), jnp.bool_), scores=jnp.full((budget,), -jnp.inf, jnp.float32),
+        )
+
+        def pop(i, s):
+            best = jnp.argmax(s["score"])
+            score, depth = s["score"][best], s["depth"][best]
+            ok = score > -jnp.inf
+            child_lp = jnp.where(ok & (depth < depth_count), top_lp[jnp.minimum(depth, depth_count - 1)], -jnp.inf)
+            start = width * (i + 1)
+            return dict(
+                score=jax.lax.dynamic_update_slice(s["score"].at[best].set(-jnp.inf), score + child_lp, (start,)),
+                parent=jax.lax.dynamic_update_slice(s["parent"], jnp.full((width,), i, jnp.int32), (start,)),
+                depth=jax.lax.dynamic_update_slice(s["depth"], jnp.full((width,), depth + 1, jnp.int32), (start,)),
+                rank=s["rank"],
+                ids=s["ids"].at[i].set(top_ids[depth - 1, s["rank"][best]]),
+                parents=s["parents"].at[i].set(jnp.where(ok, s["parent"][best], -1)),
+                valid=s["valid"].at[i].set(ok), scores=s["scores"].at[i].set(score),
+            )
+
+        s = jax.lax.fori_loop(0, budget, pop, state)
+        return s["ids"], s["parents"], s["valid"], s["scores"]
+
+    return jax.vmap(one_row)(top_lp, top_ids)

@@ -23,7 +23,6 @@ from jaxspec.drafters.eagle import (
     fuse_features,
     head_forward,
     head_logits,
-    select_nodes,
     static_tree,
     target_to_draft_mask,
     to_target_logits,
@@ -33,7 +32,7 @@ from jaxspec.generate import generate, prefill
 from jaxspec.model import forward
 from jaxspec.sampling import GREEDY, SamplingConfig, target_probs
 from jaxspec.speculative import speculative_generate, speculative_generate_tokens
-from jaxspec.tree import DraftTree, chain_parents
+from jaxspec.tree import DraftTree, chain_parents, select_nodes
 from jaxspec.verification import accept, verify_forward
 
 TINY = fixture_path("tiny-llama3")

@@ -22,13 +22,13 @@ from jaxspec.drafters.block_head import (
     spread_feature_layers,
     tree_block_mask,
 )
-from jaxspec.drafters.ddtree import best_first_tree
 from jaxspec.drafters.eagle import _project, draft_to_target, fuse_features
 from jaxspec.drafters.jetspec import refresh_tree
 from jaxspec.errors import UserError
 from jaxspec.generate import generate
 from jaxspec.model import forward
 from jaxspec.speculative import speculative_generate
+from jaxspec.tree import best_first_tree
 
 TINY = fixture_path("tiny-llama3")
 

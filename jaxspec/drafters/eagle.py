@@ -103,7 +103,7 @@ from jaxspec.model import (
     rms_norm,
     rope_inverse_frequencies,
 )
-from jaxspec.tree import DraftTree, choices_parents
+from jaxspec.tree import DraftTree, choices_parents, select_nodes
 
 # ---------------------------------------------------------------------------------------------- configuration
 
@@ -385,27 +385,7 @@ def head_forward(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, token
 
 
 # ---------------------------------------------------------------------------------------------- the draft tree
-
-
-def select_nodes(pool_scores: jax.Array, pool_parents: jax.Array, num_nodes: int) -> tuple[jax.Array, jax.Array]:
-    """The best `num_nodes` pool nodes by score, ties to the lower pool index, in pool order.
-
-    When every child scores at most its parent and parents have lower pool indices, the kept set is
-    ancestor-closed and pool order puts parents before children.
-
-    Args:
-        pool_scores: float32[B, M]; pool_parents: int32[B, M], the parent's pool index (-1 = root).
-    Returns:
-        (keep int32[B, N]: pool indices, ascending; parents int32[B, N]: indices into `keep`, -1 = root).
-    """
-    m = pool_scores.shape[1]
-    best = jnp.argsort(-pool_scores, axis=-1, stable=True)[:, :num_nodes]  # [B, N]
-    keep = jnp.sort(best, axis=-1).astype(jnp.int32)  # [B, N]
-    slot_of = jax.vmap(lambda k: jnp.full((m,), -1, jnp.int32).at[k].set(jnp.arange(num_nodes, dtype=jnp.int32)))(
-        keep)  # [B, M]: position in `keep` of each pool node, -1 if dropped
-    parent = jnp.take_along_axis(pool_parents, keep, axis=1)  # [B, N]
-    parents = jnp.where(parent < 0, -1, jnp.take_along_axis(slot_of, jnp.maximum(parent, 0), axis=1))
-    return keep, parents
+# (the pool is ranked by `jaxspec.tree.select_nodes`)
 
 
 def expand_pool(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: KVCache, h_root: jax.Array,

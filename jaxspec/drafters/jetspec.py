@@ -1,7 +1,7 @@
 """JetSpec: a tree-causal block head, its best-first tree re-scored by path-conditioned forwards.
 
 Wave 0: the tree-causal block forward on the all-mask chain (plain causal attention there) gives per-depth
-marginals and DDTree's best-first tree (`jaxspec.drafters.ddtree.best_first_tree`). Then `refresh_steps` R more
+marginals and DDTree's best-first tree (`jaxspec.tree.best_first_tree`). Then `refresh_steps` R more
 forwards re-score the tree (`refresh_tree`): one tree-causal forward over the root and all B nodes, each node fed its
 own token, so each node's output is the distribution of its children given its whole path; the candidates are the
 top-W children of every node, scored by the cumulative path-conditional log-probability, and the best B (an
@@ -19,7 +19,8 @@ from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.block_head import ParallelHeadParams, block_forward, tree_block_mask
 from jaxspec.drafters.ddtree import DDTreeDrafter
-from jaxspec.drafters.eagle import draft_to_target, select_nodes
+from jaxspec.drafters.eagle import draft_to_target
+from jaxspec.tree import select_nodes
 
 
 def refresh_tree(params: ParallelHeadParams, cfg: ModelConfig, embed: jax.Array, context: KVCache,
