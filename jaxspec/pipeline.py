@@ -59,13 +59,6 @@ def stage_size(cfg: ModelConfig, num_stages: int) -> int:
     return cfg.num_layers // num_stages
 
 
-def middle_layer(cfg: ModelConfig, num_stages: int, stages_done: int) -> int:
-    """The layer whose output is the 'middle' snapshot of a token that has done `stages_done` >= 1 stages: the
-    middle layer of the last stage it ran (see docs/spd.md)."""
-    s = stage_size(cfg, num_stages)
-    return (stages_done - 1) * s + (s - 1) // 2
-
-
 def split_stages(tree: Any, num_stages: int) -> Any:
     """Every array [L, ...] -> [n, L/n, ...] (layer weights, or the cache's k and v)."""
     return jax.tree.map(lambda a: a.reshape(num_stages, a.shape[0] // num_stages, *a.shape[1:]), tree)
@@ -104,14 +97,16 @@ def _write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array, active: jax
 
 
 def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache: StageCache, x, positions,
-                    active):
+                    active, snapshot: int | None = None):
     """Runs a block of m consecutive stages, each on its own slot (m = n on one device, n / devices on a mesh).
 
     layers: LayerWeights [m, s, ...]; cache: StageCache with m stages; x: [m, B, W, d], the residual stream entering
     each stage, W lanes per slot (lane 0 the trunk token, lanes 1.. its siblings: the same position, each seeing the
     trunk's cache and itself); positions: int32[m, B]; active: bool[m, B] (False: a bubble, nothing is written).
-    Returns (out [m, B, W, d] each stage's output, middle [m, B, W, d] the output of each stage's middle layer,
-    cache).
+    snapshot: the layer within a stage (0 .. s-1) whose output is returned beside the stage's output, for a drafter
+    that reads it (`PipelineDrafter.snapshot_layer`); None: none.
+    Returns (out [m, B, W, d] each stage's output, snap [m, B, W, d] the output of each stage's `snapshot` layer or
+    None, cache).
     """
     width = x.shape[2]
 
@@ -119,7 +114,8 @@ def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cac
         b = x.shape[0]
         lanes = jnp.broadcast_to(position[:, None], (b, width))
         alone = jnp.broadcast_to(jnp.eye(width, dtype=jnp.bool_), (b, width, width))  # siblings do not see each other
-        out, new_k, new_v, hidden = run_layers(cfg, lw, x, lanes, c.k, c.v, position, alone, keep_hidden=True)
+        out, new_k, new_v, hidden = run_layers(cfg, lw, x, lanes, c.k, c.v, position, alone,
+                                               keep_hidden=snapshot is not None)
         # new_k, new_v: [s, B, Hkv, W, h]
         c = dataclasses.replace(c, k=_write_rows(c.k, new_k[:, :, :, :1], position, on, axis=2),
                                 v=_write_rows(c.v, new_v[:, :, :, :1], position, on, axis=2))
@@ -128,37 +124,38 @@ def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cac
             side = [jnp.moveaxis(new[:, :, :, 1:], 3, 2)[..., None, :] for new in (new_k, new_v)]  # [s,B,W-1,Hkv,1,h]
             c = dataclasses.replace(c, side_k=_write_rows(c.side_k, side[0], ring, on, axis=3),
                                     side_v=_write_rows(c.side_v, side[1], ring, on, axis=3))
-        return out, hidden[middle_layer(cfg, num_stages, 1)], c
+        return out, None if snapshot is None else hidden[snapshot], c
 
     return jax.vmap(one_stage)(layers, cache, x, positions, active)
 
 
 def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache: StageCache, x, positions, active,
-                  mesh: Mesh | None = None):
+                  mesh: Mesh | None = None, snapshot: int | None = None):
     """One pipeline step: every stage runs its slot, then every output moves on one stage.
 
     layers: LayerWeights [n, s, ...]; cache: StageCache; x: [n, B, W, d] (slot j's input to stage j); positions:
     int32[n, B]; active: bool[n, B]. mesh: None (one device, stages by vmap) or a mesh whose 'stage' axis divides n
-    (each device runs n / size consecutive stages).
+    (each device runs n / size consecutive stages). snapshot: see `run_stage_block`.
     Returns (shifted [n, B, W, d]: stage j-1's output at j and stage n-1's output (the finished token) at 0,
-    shifted_middle [n, B, W, d] likewise, cache).
+    shifted_snap [n, B, W, d] likewise for the `snapshot` layer's output, or None; cache).
     """
     if mesh is None:
-        out, middle, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active)
-        return jnp.roll(out, 1, axis=0), jnp.roll(middle, 1, axis=0), cache
+        out, snap, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active, snapshot)
+        return jnp.roll(out, 1, axis=0), None if snap is None else jnp.roll(snap, 1, axis=0), cache
     devices = mesh.shape[STAGE]
     ring = [(i, (i + 1) % devices) for i in range(devices)]
 
     def per_device(layers, cache, x, positions, active):
-        out, middle, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active)
+        out, snap, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active, snapshot)
         # the last stage of each device's block feeds the first stage of the next device's block
-        boundary = jax.lax.ppermute(jnp.stack([out[-1], middle[-1]]), STAGE, ring)  # [2, B, W, d]
-        out = jnp.concatenate([boundary[0][None], out[:-1]], axis=0)
-        middle = jnp.concatenate([boundary[1][None], middle[:-1]], axis=0)
-        return out, middle, cache
+        moving = [out] if snap is None else [out, snap]
+        boundary = jax.lax.ppermute(jnp.stack([a[-1] for a in moving]), STAGE, ring)  # [1 or 2, B, W, d]
+        moved = [jnp.concatenate([boundary[i][None], a[:-1]], axis=0) for i, a in enumerate(moving)]
+        return moved[0], None if snap is None else moved[1], cache
 
     spec = PartitionSpec(STAGE)
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 3)(
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5,
+                         out_specs=(spec, None if snapshot is None else spec, spec))(
         layers, cache, x, positions, active)
 
 
@@ -207,8 +204,9 @@ class PipelineView:
 
     Before the step (the 'input state', what the target holds when the newest token enters stage 0): tokens,
     positions int32[n, B]; active bool[n, B]; hidden [n, B, d], the residual stream entering stage j (slot 0: the
-    embedding); middle [n, B, d], the middle snapshot (slot 0: the embedding). After the step's stages ran (the
-    'output state'): out, out_middle [n, B, d], stage j's output and middle layer output for slot j's token.
+    embedding); middle [n, B, d], the snapshot the drafter asked for (`PipelineDrafter.snapshot_layer`; slot 0: the
+    embedding; None when it asked for none). After the step's stages ran (the 'output state'): out, out_middle
+    [n, B, d], stage j's output and its snapshot layer's output for slot j's token (out_middle None likewise).
     committed: int32[B], tokens fully processed by every layer before the step.
     """
 
@@ -216,9 +214,9 @@ class PipelineView:
     positions: jax.Array
     active: jax.Array
     hidden: jax.Array
-    middle: jax.Array
+    middle: jax.Array | None
     out: jax.Array
-    out_middle: jax.Array
+    out_middle: jax.Array | None
     committed: jax.Array
 
 
@@ -253,6 +251,11 @@ class PipelineDrafter:
     def draft_cost_layers(self, target_cfg: ModelConfig) -> float:
         """Ls: drafting work per step in target-layer equivalents."""
         return 0.0
+
+    def snapshot_layer(self, target_cfg: ModelConfig) -> int | None:
+        """The layer within each stage (0 .. s-1) whose output the drafter reads beside the stages' outputs
+        (`PipelineView.middle`, `out_middle`), or None (the default): the stages then keep no such snapshot."""
+        return None
 
     def check_compatible(self, params, target_cfg: ModelConfig, target_tokenizer=None) -> None:
         check_num_stages(target_cfg, self.num_stages)
@@ -308,6 +311,7 @@ def pipeline_generate_tokens(
     def embed(lanes):  # int32[B, W] -> [B, W, d]
         return embed_tokens(weights, lanes)
 
+    snapshot = drafter.snapshot_layer(cfg)  # the layer within a stage the drafter reads, or None
     first_lanes = lanes_of(first)
     zeros = jnp.zeros((n, b, width, d), weights.embed.dtype)
     slots = dict(
@@ -315,7 +319,7 @@ def pipeline_generate_tokens(
         positions=jnp.zeros((n, b), jnp.int32).at[0].set(prompt_lengths),
         active=jnp.zeros((n, b), jnp.bool_).at[0].set(True),
         hidden=zeros.at[0].set(embed(first_lanes)),
-        middle=zeros.at[0].set(embed(first_lanes)),
+        middle=None if snapshot is None else zeros.at[0].set(embed(first_lanes)),
         q=jnp.zeros((n, b, cfg.vocab_size), jnp.float32) if width == 1 and not sampling.greedy else None,
     )
     out = jnp.full((b, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
@@ -335,12 +339,15 @@ def pipeline_generate_tokens(
         draft_key, accept_key, bonus_key = jax.random.split(key, 3)
         with jax.named_scope("stages"):
             shifted, shifted_middle, cache = pipeline_step(cfg, n, layers, carry["cache"], slots["hidden"],
-                                                           slots["positions"], slots["active"], mesh)
+                                                           slots["positions"], slots["active"], mesh, snapshot)
         trunk = slots["tokens"][:, :, 0]  # [n, B]
+        has_snapshot = snapshot is not None
         view = PipelineView(tokens=trunk, positions=slots["positions"], active=slots["active"],
-                            hidden=slots["hidden"][:, :, 0], middle=slots["middle"][:, :, 0],
+                            hidden=slots["hidden"][:, :, 0],
+                            middle=slots["middle"][:, :, 0] if has_snapshot else None,
                             out=jnp.roll(shifted, -1, axis=0)[:, :, 0],
-                            out_middle=jnp.roll(shifted_middle, -1, axis=0)[:, :, 0], committed=carry["committed"])
+                            out_middle=jnp.roll(shifted_middle, -1, axis=0)[:, :, 0] if has_snapshot else None,
+                            committed=carry["committed"])
         with jax.named_scope("draft"):
             draft, draft_q, state = drafter.propose(drafter_params, state, view, weights, cfg, sampling, draft_key)
         with jax.named_scope("verify"):
@@ -376,7 +383,7 @@ def pipeline_generate_tokens(
                 positions=jnp.roll(slots["positions"], 1, axis=0).at[0].set(slots["positions"][0] + 1),
                 active=jnp.roll(slots["active"], 1, axis=0).at[0].set(True),
                 hidden=shifted.at[0].set(embed(draft)),
-                middle=shifted_middle.at[0].set(embed(draft)),
+                middle=shifted_middle.at[0].set(embed(draft)) if has_snapshot else None,
                 q=None if slots["q"] is None else jnp.roll(slots["q"], 1, axis=0).at[0].set(draft_q),
             )
             # ... except after a rejection: the replacement alone, at stage 0 ...
@@ -385,7 +392,8 @@ def pipeline_generate_tokens(
             new["tokens"] = jnp.where(flush[..., None], new["tokens"].at[0].set(lanes_of(emitted)), new["tokens"])
             new["positions"] = jnp.where(flush, new["positions"].at[0].set(candidate_position), new["positions"])
             emitted_emb = embed(lanes_of(emitted))
-            for name in ("hidden", "middle"):
+            streams = (("hidden", shifted),) + ((("middle", shifted_middle),) if has_snapshot else ())
+            for name, _ in streams:
                 new[name] = jnp.where(flush[..., None, None], new[name].at[0].set(emitted_emb), new[name])
             # ... or after a sibling was accepted: it becomes the trunk token and goes on alone to the last stage
             last = (jnp.arange(n) == n - 1)[:, None]
@@ -393,7 +401,7 @@ def pipeline_generate_tokens(
             sibling_token = jnp.sum(jnp.where(pick, slots["tokens"][n - 2], 0), axis=1)  # [B]
             new["tokens"] = jnp.where((last & promoted[None])[..., None], lanes_of(sibling_token)[None],
                                       new["tokens"])
-            for name, source in (("hidden", shifted), ("middle", shifted_middle)):
+            for name, source in streams:
                 sibling = jnp.sum(jnp.where(pick[..., None], source[n - 1], 0), axis=1)  # [B, d]
                 lanes = jnp.broadcast_to(sibling[:, None], (b, width, d))
                 new[name] = jnp.where((last & promoted[None])[..., None, None], lanes[None], new[name])

@@ -37,7 +37,7 @@ from jaxspec.drafters.eagle import build_vocab_map, draft_to_target, head_logits
 from jaxspec.errors import UserError
 from jaxspec.losses import masked_mean, per_position_loss
 from jaxspec.model import LayerWeights, Weights, causal_mask, embed_tokens, lm_head, run_layers
-from jaxspec.pipeline import PipelineDrafter, PipelineView, check_num_stages, middle_layer, stage_size
+from jaxspec.pipeline import PipelineDrafter, PipelineView, check_num_stages, stage_size
 
 STATES = ("input", "output")
 
@@ -131,6 +131,13 @@ class SPDState:
     last_final: jax.Array
 
 
+def middle_layer(cfg: ModelConfig, num_stages: int, stages_done: int) -> int:
+    """The layer whose output is the 'middle' snapshot of a token that has done `stages_done` >= 1 stages: the
+    middle layer of the last stage it ran (see docs/spd.md)."""
+    s = stage_size(cfg, num_stages)
+    return (stages_done - 1) * s + (s - 1) // 2
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SPDDrafter(PipelineDrafter):
     name: str = "spd"
@@ -186,6 +193,9 @@ class SPDDrafter(PipelineDrafter):
 
     def draft_cost_layers(self, target_cfg):
         return float(self.num_draft_layers)
+
+    def snapshot_layer(self, target_cfg):
+        return middle_layer(target_cfg, self.num_stages, 1)  # each stage's middle layer (the multi-depth feature)
 
     def check_compatible(self, params: SPDParams, target_cfg, target_tokenizer=None):
         super().check_compatible(params, target_cfg, target_tokenizer)
