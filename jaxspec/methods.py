@@ -477,29 +477,25 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
     """int[P, CALIBRATION_DEPTH]: an EAGLE head's ranks of the target's tokens along the target's own greedy answers
     to CALIBRATION_PROMPTS (`jaxspec.drafters.eagle.draft_ranks`).
 
-    Read from the drafter's folder when it holds them for this target (`save_draft_ranks`; the shipped drafter
-    does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the calibration
-    prompts and one teacher-forced pass of the head) and cached there."""
-    import hashlib
-
-    import jax
+    Read from the drafter's folder when it holds them for this head and target (`save_draft_ranks`; the shipped
+    drafter does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the
+    calibration prompts and one teacher-forced pass of the head) and cached there."""
     import numpy as np
 
     from jaxspec.budget import cache_folder
 
+    head = _head_digest(target, params)
     stored = os.path.join(folder, DRAFT_RANKS_FILE) if folder else None
     if stored and os.path.isfile(stored):
         try:
             with np.load(stored) as f:
-                same = str(f["target"]) == target.fingerprint() and str(f["calibration"]) == _calibration_digest()
+                same = (str(f["target"]) == target.fingerprint() and str(f["calibration"]) == _calibration_digest()
+                        and str(f["head"]) == head)
                 if same and f["ranks"].ndim == 2 and f["ranks"].shape[1] == CALIBRATION_DEPTH:
                     return f["ranks"]
         except (OSError, ValueError, KeyError):
-            pass  # unreadable or of another target: measured below
-    digest = hashlib.sha256(target.fingerprint().encode())
-    for leaf in jax.tree.leaves(params):
-        digest.update(np.asarray(leaf).tobytes())
-    path = os.path.join(cache_folder(), f"draft-ranks-{digest.hexdigest()[:16]}.npy")
+            pass  # unreadable, or of another head or target (a retrained head in the same folder): measured below
+    path = os.path.join(cache_folder(), f"draft-ranks-{head}.npy")
     if os.path.isfile(path):
         try:
             return np.load(path)
@@ -511,6 +507,19 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
     return ranks
 
 
+def _head_digest(target: LoadedModel, params) -> str:
+    """Names a head's parameters together with its target (what measured ranks depend on besides the prompts)."""
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    digest = hashlib.sha256(target.fingerprint().encode())
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
     """Measures an EAGLE head's ranks on the calibration prompts and stores them in its drafter folder, so that
     --budget auto needs no calibration run on first use. Returns the file's path."""
@@ -518,7 +527,8 @@ def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
 
     path = os.path.join(folder, DRAFT_RANKS_FILE)
     ranks = _measure_draft_ranks(target, drafter, params)
-    np.savez(path, ranks=ranks, target=target.fingerprint(), calibration=_calibration_digest())
+    np.savez(path, ranks=ranks, target=target.fingerprint(), calibration=_calibration_digest(),
+             head=_head_digest(target, params))
     return path
 
 

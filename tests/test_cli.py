@@ -139,7 +139,11 @@ def test_shipped_eagle3_drafter_reproduces_transformers_greedy(cli_smollm2, smol
     assert size <= 20e6
     from jaxspec.methods import DRAFT_RANKS_FILE
 
-    assert os.path.isfile(os.path.join(folder, DRAFT_RANKS_FILE))  # --budget auto needs no calibration run
+    with np.load(os.path.join(folder, DRAFT_RANKS_FILE)) as ranks:  # --budget auto needs no calibration run ...
+        from jaxspec.methods import _head_digest, load_learned_drafter
+
+        _, params = load_learned_drafter("eagle3", smollm2, folder)
+        assert str(ranks["head"]) == _head_digest(smollm2, params)  # ... and the ranks are this head's
     ref = smollm2_reference
     prompts = json.loads(str(ref["prompts"]))[:2]
     path = tmp_path / "prompts.jsonl"

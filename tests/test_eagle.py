@@ -487,7 +487,8 @@ def test_tree_options_for_the_eagle_methods(tiny_llama3):
 
 def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeypatch):
     """A drafter folder's draft-ranks.npz (scripts/calibrate_drafter.py) is read instead of measuring when it was
-    made for this target with these calibration settings; of another target it is ignored and the ranks measured."""
+    made for this head and target with these calibration settings; of another target, or of another head (one
+    retrained into the same folder), it is ignored and the ranks measured."""
     from jaxspec import methods
 
     _, model, _ = tiny_llama3
@@ -496,14 +497,17 @@ def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeyp
     monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: measured)
     stored = np.arange(2 * methods.CALIBRATION_DEPTH).reshape(2, -1)  # [P, D]
     path = tmp_path / methods.DRAFT_RANKS_FILE
-    np.savez(path, ranks=stored, target=model.fingerprint(), calibration=methods._calibration_digest())
     params = {"w": np.zeros(3)}
+    head = methods._head_digest(model, params)
+    np.savez(path, ranks=stored, target=model.fingerprint(), calibration=methods._calibration_digest(), head=head)
     assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == stored.tolist()
-    np.savez(path, ranks=stored, target="another target", calibration=methods._calibration_digest())
+    np.savez(path, ranks=stored, target="another target", calibration=methods._calibration_digest(), head=head)
     assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == measured.tolist()
     assert methods.save_draft_ranks(str(tmp_path), model, None, params) == str(path)  # writes `measured`
     monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: measured + 1)
-    assert methods.measured_draft_ranks(model, None, {"w": np.ones(3)}, str(tmp_path)).tolist() == measured.tolist()
+    assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == measured.tolist()
+    retrained = {"w": np.ones(3)}  # another head in the same folder: its own ranks, not the stored ones
+    assert methods.measured_draft_ranks(model, None, retrained, str(tmp_path)).tolist() == (measured + 1).tolist()
 
 
 def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
