@@ -392,8 +392,8 @@ def pipeline_generate_tokens(
             new["tokens"] = jnp.where(flush[..., None], new["tokens"].at[0].set(lanes_of(emitted)), new["tokens"])
             new["positions"] = jnp.where(flush, new["positions"].at[0].set(candidate_position), new["positions"])
             emitted_emb = embed(lanes_of(emitted))
-            streams = (("hidden", shifted),) + ((("middle", shifted_middle),) if has_snapshot else ())
-            for name, _ in streams:
+            streams = {"hidden": shifted, **({"middle": shifted_middle} if has_snapshot else {})}  # [n, B, W, d] each
+            for name in streams:
                 new[name] = jnp.where(flush[..., None, None], new[name].at[0].set(emitted_emb), new[name])
             # ... or after a sibling was accepted: it becomes the trunk token and goes on alone to the last stage
             last = (jnp.arange(n) == n - 1)[:, None]
@@ -401,7 +401,7 @@ def pipeline_generate_tokens(
             sibling_token = jnp.sum(jnp.where(pick, slots["tokens"][n - 2], 0), axis=1)  # [B]
             new["tokens"] = jnp.where((last & promoted[None])[..., None], lanes_of(sibling_token)[None],
                                       new["tokens"])
-            for name, source in streams:
+            for name, source in streams.items():
                 sibling = jnp.sum(jnp.where(pick[..., None], source[n - 1], 0), axis=1)  # [B, d]
                 lanes = jnp.broadcast_to(sibling[:, None], (b, width, d))
                 new[name] = jnp.where((last & promoted[None])[..., None, None], lanes[None], new[name])
