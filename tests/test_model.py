@@ -66,6 +66,71 @@ def test_smollm2_greedy_chat_matches_transformers_batched(smollm2, smollm2_refer
         assert result.token_ids[i] == ref[f"greedy_{i}"].reshape(-1).tolist(), prompts[i]
 
 
+def test_gemma3_270m_logits_and_greedy_match_transformers(gemma3_270m):
+    """The real Gemma-3-270M (18 layers, 15 of them sliding-window, a 262144-token tied embedding) against
+    transformers on the same dequantized weights: the top-64 logits of every prompt position, and 32 greedy tokens
+    per prompt (batched, prompts of different lengths)."""
+    ref = np.load("tests/fixtures/gemma3_270m_reference.npz")
+    cfg, w = gemma3_270m.config, gemma3_270m.weights
+    assert (cfg.architecture, cfg.num_layers, cfg.sliding_layers.count(True), cfg.sliding_window) == ("gemma3", 18,
+                                                                                                      15, 512)
+    prompts = [ref[f"prompt_ids_{i}"][0].tolist() for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        ids = jnp.asarray([prompt])
+        logits = np.asarray(forward(w, cfg, ids, _positions(ids)).logits[0])  # [P, V]
+        top = ref[f"top_ids_{i}"]  # [P, 64]
+        np.testing.assert_allclose(np.take_along_axis(logits, top, axis=-1), ref[f"top_logits_{i}"], atol=2e-4)
+        np.testing.assert_array_equal(logits.argmax(-1), top[:, 0])
+    assert len({len(p) for p in prompts}) > 1
+    result = generate(w, cfg, prompts, max_new_tokens=32, eos_ids=())
+    for i in range(3):
+        assert result.token_ids[i] == ref[f"greedy_{i}"][0].tolist(), i
+
+
+def test_multimodal_gemma3_folder_runs_its_language_model(tmp_path):
+    """A published gemma3 folder (a vision tower beside the language model: config.json with text_config, tensors
+    under model.language_model.) loads as its text model: the same config and logits as the text-only folder."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxspec import load_model
+
+    text = "tests/fixtures/tiny-gemma3"
+    with open(f"{text}/config.json") as f:
+        text_config = json.load(f)
+    config = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+              "text_config": text_config, "vision_config": {"model_type": "siglip_vision_model"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {name if name == "lm_head.weight" else "model.language_model." + name.removeprefix("model."): value
+               for name, value in load_file(f"{text}/model.safetensors").items()}
+    tensors["model.vision_tower.patch_embedding.weight"] = np.zeros((4, 3), np.float32)  # not read
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    alone, inside = load_model(text), load_model(str(tmp_path))
+    assert inside.config == alone.config
+    ids = jnp.asarray(np.load("tests/fixtures/tiny_gemma3_reference.npz")["input_ids"])
+    np.testing.assert_array_equal(np.asarray(forward(inside.weights, inside.config, ids, _positions(ids)).logits),
+                                  np.asarray(forward(alone.weights, alone.config, ids, _positions(ids)).logits))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"hidden_activation": "relu"}, "hidden_act 'relu' is not supported"),
+    ({"model_type": "gemma2"}, "model_type 'gemma2' in config.json is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer_types must name"),
+])
+def test_gemma3_config_fields_jaxspec_does_not_run_are_refused_by_name(change, message):
+    import json
+
+    from jaxspec.errors import UserError
+
+    with open("tests/fixtures/tiny-gemma3/config.json") as f:
+        raw = {**json.load(f), **change}
+    with pytest.raises(UserError, match=message):
+        ModelConfig.from_hf_dict(raw)
+
+
 def test_cached_decoding_equals_full_forward(tiny):
     """Prefill 30 tokens, decode 10 one at a time: logits equal one forward over all 40."""
     _, model, ref = tiny

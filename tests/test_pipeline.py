@@ -76,7 +76,7 @@ def teacher_forced_logits(cfg, weights, tokens, num_steps, n, mesh=None):
     active = jnp.zeros((n, 1), jnp.bool_)
     logits = []
     for step in range(num_steps):
-        x = x.at[0].set(embed_tokens(weights, tokens[:, p + step: p + step + 1]))
+        x = x.at[0].set(embed_tokens(weights, cfg, tokens[:, p + step: p + step + 1]))
         positions = positions.at[0].set(p + step)
         active = active.at[0].set(True)
         shifted, _, stage_cache = pipeline_step(cfg, n, layers, stage_cache, x, positions, active, mesh)
@@ -254,7 +254,7 @@ def test_spd_training_block_equals_the_inference_drafter(state, num_layers):
     drafter, params = spd(cfg, weights, n, num_layers, state)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (1, 12)), jnp.int32)
     out = forward(weights, cfg, tokens, jnp.arange(12)[None], hidden_layers=tuple(range(6)), compute_logits=False)
-    emb = embed_tokens(weights, tokens)
+    emb = embed_tokens(weights, cfg, tokens)
     for i, m in ((9, 3), (9, 1), (6, 2), (2, 2)):
         training = spd_block_logits(params, cfg, emb, out.hidden, jnp.full((1, 12), m, jnp.int32), num_stages=n,
                                     state=state)[0, i]

@@ -245,3 +245,20 @@ def test_load_tokenizer_paths(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_tokenizer(tmp_path / "notes.txt")
+
+
+def test_gemma3_sentencepiece_tokenizer_matches_transformers(gemma3_270m):
+    """Gemma's SentencePiece vocabulary rebuilt from the GGUF (merges recovered from the vocabulary, byte fallback,
+    runs of spaces, control tokens) encodes and decodes as transformers' tokenizer for the same file does."""
+    import numpy as np
+
+    ref = np.load("tests/fixtures/gemma3_270m_reference.npz")
+    tok = gemma3_270m.tokenizer
+    texts, ids_per_text, decoded_per_text = (json.loads(str(ref[key])) for key in
+                                             ("tokenizer_texts", "tokenizer_ids", "tokenizer_decoded"))
+    for text, ids, decoded in zip(texts, ids_per_text, decoded_per_text):
+        assert tok(text)["input_ids"] == ids, text
+        assert tok.decode(ids, skip_special_tokens=True) == decoded, text
+    for i, prompt in enumerate(json.loads(str(ref["prompts"]))):
+        assert tok(prompt)["input_ids"] == ref[f"prompt_ids_{i}"][0].tolist()
+        assert tok.decode(ref[f"greedy_{i}"][0].tolist()) == json.loads(str(ref["greedy_texts"]))[i]

@@ -148,7 +148,7 @@ class SPDDrafter(PipelineDrafter):
     def init(self, params: SPDParams, target_weights, target_cfg, prompt_tokens, prompt_lengths, prompt_hidden,
              cache_size):
         b, p = prompt_tokens.shape
-        emb = embed_tokens(target_weights, prompt_tokens)  # [B, P, d]
+        emb = embed_tokens(target_weights, target_cfg, prompt_tokens)  # [B, P, d]
         feats = fuse_snapshots(params, emb, prompt_hidden, prompt_hidden)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         _, new_k, new_v, _ = run_layers(target_cfg, params.layers, feats, positions, None, None,
@@ -172,7 +172,7 @@ class SPDDrafter(PipelineDrafter):
         tokens = jnp.concatenate([state.last_token[None], view.tokens[order]]).T  # [B, n+1]
         deepest = jnp.concatenate([state.last_final[None], deepest]).transpose(1, 0, 2)  # [B, n+1, d]
         middle = jnp.concatenate([state.last_final[None], middle]).transpose(1, 0, 2)
-        feats = fuse_snapshots(params, embed_tokens(target_weights, tokens), deepest, middle)
+        feats = fuse_snapshots(params, embed_tokens(target_weights, target_cfg, tokens), deepest, middle)
         positions = jnp.concatenate([(view.committed - 1)[None], view.positions[order]]).T  # [B, n+1]
         present = jnp.concatenate([jnp.ones_like(view.active[:1]), view.active[order]]).T  # [B, n+1]
         mask = causal_mask(*present.shape) & present[:, None, :]
@@ -279,7 +279,7 @@ def spd_loss(params: SPDParams, target_weights: Weights, target_cfg: ModelConfig
     target_last: [B, N, d] the last layer's output (its logits are needed on the draft vocabulary only);
     loss_mask: bool[B, N] (True at i when token i + 1 is a response token). Returns (loss, metrics: acc is the
     draft argmax equal to the text's next token, the target's argmax in text it generated at T=0)."""
-    emb = embed_tokens(target_weights, tokens)
+    emb = embed_tokens(target_weights, target_cfg, tokens)
     occupancy = random_occupancy(key, tokens.shape, num_stages, full_rate)
     logits = spd_block_logits(params, target_cfg, emb, hidden, occupancy, num_stages=num_stages, state=state)
     d2t = draft_to_target(params)
