@@ -122,17 +122,19 @@ def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
     return jnp.broadcast_to(mask, (batch_size, num_tokens, num_tokens))
 
 
-def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale, positions=None, window=None):
+def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale=None, positions=None, window=None):
     """Attention of T new queries over the committed cache slots plus the new tokens under `mask`.
 
     q: [B, T, Hq, h]; new_k, new_v: [B, T, Hkv, h]; cache_k, cache_v: [B, Hkv, S, h] or None;
     cache_lengths: int32[B]; mask: bool[B, T, T] (query t may see new token u); scale: what the scores are
-    multiplied by. window: None, or int32 scalar, this layer's sliding window (0: none, a global layer); a query at
-    position p then sees only the keys at positions (p - window, p]: a cache slot's position is its index (slots
-    hold a row's tokens from position 0 on), a new token's is in `positions` int32[B, T]. Returns [B, T, Hq, h].
+    multiplied by (default h ** -0.5). window: None, or int32 scalar, this layer's sliding window (0: none, a global
+    layer); a query at position p then sees only the keys at positions (p - window, p]: a cache slot's position is
+    its index (slots hold a row's tokens from position 0 on), a new token's is in `positions` int32[B, T].
+    Returns [B, T, Hq, h].
     """
     b, t, hq, h = q.shape
     hkv = new_k.shape[2]
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
     q = q.reshape(b, t, hkv, hq // hkv, h) * scale  # [b, t, k, g, h]
     lowest = None  # int32[B, T]: a sliding layer's query sees the keys at positions above this
     if window is not None:

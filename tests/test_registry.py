@@ -1,7 +1,8 @@
 """Registry-driven tests: every method in `jaxspec.registry` is checked here without being named, so a new entry is
 covered the moment it is added. Its options are refused by name when it does not take them; its learned drafter
 family is trainable and its config class reads an empty config; built from the registry on a tiny target, its greedy
-output equals autoregressive decoding at batch 1 and at batch 3 with prompts of different lengths."""
+output equals autoregressive decoding at batch 1 and at batch 3 with prompts of different lengths, on a Llama and on a
+Gemma 3 target."""
 
 import dataclasses
 
@@ -73,9 +74,20 @@ def _options(spec) -> MethodOptions:
     return MethodOptions(**options)
 
 
+@pytest.fixture(scope="module", params=["llama3", "gemma3"])
+def target(request):
+    """The tiny Llama-3, and the tiny Gemma 3 (a sliding window of 8 positions: drafts and trees cross it)."""
+    import numpy as np
+
+    from jaxspec import load_model
+
+    name = request.param
+    return name, load_model(fixture_path(f"tiny-{name}")), np.load(fixture_path(f"tiny_{name}_reference.npz"))
+
+
 @pytest.mark.parametrize("name", [n for n in METHOD_SPECS if n != "autoregressive"])
-def test_every_method_from_the_registry_is_greedy_exact_at_batch_1_and_3(tiny_llama3, name):
-    _, model, ref = tiny_llama3
+def test_every_method_from_the_registry_is_greedy_exact_at_batch_1_and_3(target, name):
+    _, model, ref = target
     ids = ref["input_ids"]
     prompts = [ids[0, :5].tolist(), ids[1, :17].tolist(), ids[0, 3:40].tolist()]
     method = build_method(name, model, _options(METHOD_SPECS[name]))
