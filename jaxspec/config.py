@@ -1,7 +1,8 @@
 """Model configurations: frozen, hashable, static dataclasses built from a HF config.json or GGUF metadata.
 
 Everything that changes an array shape lives here; a config is passed to `jax.jit` as a static argument.
-Supported families: Llama (Llama 2/3, SmolLM2), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm), Gemma 3 (sliding-window
+Supported families: Llama (Llama 2/3, SmolLM2), Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm), Qwen3-MoE (Qwen3 with
+a mixture of experts in place of each MLP), Gemma 3 (sliding-window
 and global layers with a RoPE base each, GeGLU, a norm before and after each sublayer, a scaled embedding).
 """
 
@@ -14,10 +15,12 @@ from typing import Any
 
 from jaxspec.errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 # Hugging Face model_type -> architecture (Gemma 3's text model is "gemma3_text"; a multimodal "gemma3" folder holds
 # one under text_config, read by `from_hf_config`).
-HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                  "gemma3_text": "gemma3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
 HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF hidden_act -> jaxspec's name
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of a model with sliding-window layers
 
@@ -37,7 +40,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape-defining description of a decoder-only transformer."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "gemma3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,6 +65,12 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () when every layer is full attention
     sliding_window: int | None = None  # a sliding layer's query at position p sees the keys at (p - window, p]
     sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (unscaled); rope_* are the full ones'
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` SwiGLU experts of width moe_intermediate_size,
+    # of which a router picks num_experts_per_tok per token (0 experts: a dense MLP of width intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' router probabilities renormalised to sum to 1
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -78,6 +87,9 @@ class ModelConfig:
                                 f"layers; got {list(self.layer_types)}.")
             if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_rope_theta):
                 raise UserError("A config with sliding-window layers needs sliding_window and their RoPE base.")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UserError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts="
+                            f"{self.num_experts}.")
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:
@@ -100,7 +112,8 @@ class ModelConfig:
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
+        mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d) if self.num_experts else 3 * d * f
+        layer = attn + mlp + (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
         out = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.num_layers * layer + self.vocab_size * d + d + out
 
@@ -125,6 +138,13 @@ class ModelConfig:
             if raw.get(key) is not None:
                 raise UserError(f"config.json sets {key}={raw[key]}; jaxspec does not apply logit soft-capping "
                                 "(Gemma 2 uses it; Gemma 3 does not).")
+        if architecture == "qwen3_moe":
+            if raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1:
+                raise UserError("config.json has dense MLP layers among the expert layers (mlp_only_layers="
+                                f"{raw.get('mlp_only_layers')}, decoder_sparse_step={raw.get('decoder_sparse_step')}); "
+                                "jaxspec runs Qwen3-MoE models whose every layer is a mixture of experts.")
+            if raw.get("use_sliding_window"):
+                raise UserError("config.json sets use_sliding_window for a Qwen3-MoE model; jaxspec does not run it.")
         if raw.get("use_bidirectional_attention"):
             raise UserError("config.json sets use_bidirectional_attention: an encoder, not a decoder jaxspec runs.")
         num_heads = raw["num_attention_heads"]
@@ -156,7 +176,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_hf(rope_params),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3" or gemma,
+            qk_norm=architecture in ("qwen3", "qwen3_moe") or gemma,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -167,6 +187,7 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=raw.get("sliding_window") if SLIDING in layer_types else None,
             sliding_rope_theta=sliding_theta if SLIDING in layer_types else None,
+            **_experts_from_hf(raw, architecture),
         )
 
     @classmethod
@@ -196,14 +217,15 @@ class ModelConfig:
     def from_gguf(cls, reader) -> ModelConfig:
         """Builds a config from the metadata of a `gguf.GGUFReader`."""
         meta = gguf_metadata(reader)
-        arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        gguf_arch = meta.get("general.architecture")
+        if gguf_arch not in GGUF_ARCHITECTURES:
             raise UserError(
-                f"GGUF architecture '{arch}' is not supported; jaxspec runs {', '.join(SUPPORTED_ARCHITECTURES)}."
+                f"GGUF architecture '{gguf_arch}' is not supported; jaxspec runs {', '.join(GGUF_ARCHITECTURES)}."
             )
+        arch = GGUF_ARCHITECTURES[gguf_arch]
 
         def get(key, default=None):
-            return meta.get(f"{arch}.{key}", default)
+            return meta.get(f"{gguf_arch}.{key}", default)
 
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))
@@ -238,6 +260,10 @@ class ModelConfig:
                 sliding_window=int(get("attention.sliding_window")),
                 sliding_rope_theta=10000.0,
             )
+        experts = {}
+        if arch == "qwen3_moe":  # llama.cpp always renormalises the chosen experts' weights for qwen3moe
+            experts = dict(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                           moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -257,6 +283,7 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
+            **experts,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -285,6 +312,9 @@ class ModelConfig:
                                     SLIDING: {"rope_type": "default", "rope_theta": self.sliding_rope_theta}},
             }
             rope = None
+        if self.num_experts:
+            extra = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                     "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob}
         return {
             "model_type": {"gemma3": "gemma3_text"}.get(self.architecture, self.architecture),
             "vocab_size": self.vocab_size,
@@ -305,6 +335,16 @@ class ModelConfig:
             "hidden_act": "silu",
             **extra,
         }
+
+
+def _experts_from_hf(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json (transformers 5 writes num_experts as num_local_experts)."""
+    if architecture != "qwen3_moe":
+        return {}
+    return dict(num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
+                num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)))
 
 
 def _rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling:

@@ -184,10 +184,13 @@ def load_gguf(path: str, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, W
             "wv": lazy(p + "attn_v.weight"),
             "wo": lazy(p + "attn_output.weight"),
             "mlp_norm": lazy(p + "ffn_norm.weight"),
-            "w_gate": lazy(p + "ffn_gate.weight"),
-            "w_up": lazy(p + "ffn_up.weight"),
-            "w_down": lazy(p + "ffn_down.weight"),
         }
+        if cfg.num_experts:  # the router [E, d] and the experts stacked: [E, F, d] (gate, up), [E, d, F] (down)
+            layer.update(router=lazy(p + "ffn_gate_inp.weight"), expert_gate=lazy(p + "ffn_gate_exps.weight"),
+                         expert_up=lazy(p + "ffn_up_exps.weight"), expert_down=lazy(p + "ffn_down_exps.weight"))
+        else:
+            layer.update(w_gate=lazy(p + "ffn_gate.weight"), w_up=lazy(p + "ffn_up.weight"),
+                         w_down=lazy(p + "ffn_down.weight"))
         if cfg.attention_bias:
             layer.update(bq=lazy(p + "attn_q.bias"), bk=lazy(p + "attn_k.bias"), bv=lazy(p + "attn_v.bias"))
         if cfg.qk_norm:
@@ -282,6 +285,9 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
     names = dict(_HF_LAYER_NAMES)
     if cfg.sandwich_norms:
         names.update(_HF_GEMMA3_NORMS)
+    if cfg.num_experts:
+        for key in ("w_gate", "w_up", "w_down"):
+            names.pop(key)
     if not cfg.attention_bias:
         for key in ("bq", "bk", "bv"):
             names.pop(key)
@@ -289,9 +295,28 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
         names.pop("q_norm"), names.pop("k_norm")
     per_layer = []
     for i in range(cfg.num_layers):
-        per_layer.append({key: get(f"layers.{i}.{name}") + (norm_offset if key in _NORMS else 0.0)
-                          for key, name in names.items()})
+        layer = {key: get(f"layers.{i}.{name}") + (norm_offset if key in _NORMS else 0.0)
+                 for key, name in names.items()}
+        if cfg.num_experts:
+            layer.update(_hf_experts(get, tensors, f"layers.{i}.mlp.", cfg.num_experts))
+        per_layer.append(layer)
     return cfg, _assemble(cfg, raw, per_layer, dtype)
+
+
+def _hf_experts(get, tensors: dict, prefix: str, num_experts: int) -> dict[str, np.ndarray]:
+    """One layer's router [E, d] and experts, stacked as GGUF stores them ([E, F, d] gate and up, [E, d, F] down),
+    from the per-expert tensors of a Hugging Face checkpoint (experts.{e}.gate_proj.weight, ...) or from the fused
+    ones transformers 5 holds in memory (experts.gate_up_proj [E, 2F, d], experts.down_proj [E, d, F])."""
+    out = {"router": get(prefix + "gate.weight")}
+    if prefix + "experts.gate_up_proj" in tensors:
+        gate_up = get(prefix + "experts.gate_up_proj")
+        half = gate_up.shape[1] // 2
+        out.update(expert_gate=gate_up[:, :half], expert_up=gate_up[:, half:],
+                   expert_down=get(prefix + "experts.down_proj"))
+        return out
+    for key, name in (("expert_gate", "gate_proj"), ("expert_up", "up_proj"), ("expert_down", "down_proj")):
+        out[key] = np.stack([get(f"{prefix}experts.{e}.{name}.weight") for e in range(num_experts)])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- common
@@ -322,6 +347,9 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype) -> Weig
     def heads_in(w, n):  # [L, n*h, d] -> [L, d, n, h]
         return w.reshape(cfg.num_layers, n, h, d).transpose(0, 3, 1, 2)
 
+    def experts_last(w):  # [L, ..., out, in] -> [L, ..., in, out]
+        return None if w is None else np.swapaxes(w, -1, -2)
+
     def per_head(w, n):  # [L, n*h] -> [L, n, h]
         return None if w is None else w.reshape(cfg.num_layers, n, h)
 
@@ -338,6 +366,10 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype) -> Weig
         w_gate=place(stack("w_gate", transpose=True)),
         w_up=place(stack("w_up", transpose=True)),
         w_down=place(stack("w_down", transpose=True)),
+        router=place(experts_last(stack("router"))),  # [L, d, E]
+        expert_gate=place(experts_last(stack("expert_gate"))),  # [L, E, d, F]
+        expert_up=place(experts_last(stack("expert_up"))),
+        expert_down=place(experts_last(stack("expert_down"))),  # [L, E, F, d]
         bq=place(per_head(stack("bq"), cfg.num_heads)),
         bk=place(per_head(stack("bk"), cfg.num_kv_heads)),
         bv=place(per_head(stack("bv"), cfg.num_kv_heads)),

@@ -36,9 +36,9 @@ class LayerWeights:
     wv: jax.Array  # [L, d, Hkv, h]
     wo: jax.Array  # [L, Hq, h, d]
     mlp_norm: jax.Array  # [L, d]
-    w_gate: jax.Array  # [L, d, f]
-    w_up: jax.Array  # [L, d, f]
-    w_down: jax.Array  # [L, f, d]
+    w_gate: jax.Array | None = None  # [L, d, f] (None in a mixture-of-experts model)
+    w_up: jax.Array | None = None  # [L, d, f]
+    w_down: jax.Array | None = None  # [L, f, d]
     bq: jax.Array | None = None  # [L, Hq, h] (Qwen2)
     bk: jax.Array | None = None  # [L, Hkv, h]
     bv: jax.Array | None = None  # [L, Hkv, h]
@@ -46,6 +46,10 @@ class LayerWeights:
     k_norm: jax.Array | None = None  # [L, h]
     post_attn_norm: jax.Array | None = None  # [L, d]: on the attention output before the residual add (Gemma 3)
     post_mlp_norm: jax.Array | None = None  # [L, d]: on the MLP output before the residual add (Gemma 3)
+    router: jax.Array | None = None  # [L, d, E]: expert scores (Qwen3-MoE; the MLP is then the experts below)
+    expert_gate: jax.Array | None = None  # [L, E, d, F]
+    expert_up: jax.Array | None = None  # [L, E, d, F]
+    expert_down: jax.Array | None = None  # [L, E, F, d]
 
 
 @jax.tree_util.register_dataclass
@@ -192,6 +196,56 @@ def _activation(cfg: ModelConfig, gate: jax.Array) -> jax.Array:
     return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
 
 
+def mixture_of_experts(cfg: ModelConfig, x: jax.Array, lw: LayerWeights, model_axis: str | None = None,
+                       grouped: bool | None = None) -> jax.Array:
+    """The expert MLP of one layer (Qwen3-MoE): each token goes to the k experts its router scores highest, weighted
+    by their softmax probabilities (renormalised over the k when cfg.norm_topk_prob).
+
+    x: [B, T, d] (after the MLP norm); lw: one layer's weights with router [d, E] and its experts [E_local, ...]:
+    inside shard_map the experts are split over `model_axis` (expert parallelism) and each device adds the
+    contributions of its own experts (the caller sums over the axis). Returns [B, T, d].
+
+    Only the chosen experts run. Few token-expert pairs (M = B*T*k at most E: decoding, a verification round) read
+    each pair's expert weights directly, so a step streams M experts rather than all E; more pairs (a prefill) are
+    sorted by expert and run as one grouped product per projection (`jax.lax.ragged_dot`). `grouped` forces one
+    path (tests).
+    """
+    b, t, d = x.shape
+    k = cfg.num_experts_per_tok
+    tokens = x.reshape(b * t, d)  # [N, d]
+    scores = jnp.einsum("nd,de->ne", tokens, lw.router.astype(tokens.dtype))
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)  # [N, E]
+    weights, experts = jax.lax.top_k(probs, k)  # [N, k] each
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    local_count = lw.expert_gate.shape[0]  # E_local: this device's experts (all of them without a mesh)
+    first = 0 if model_axis is None else jax.lax.axis_index(model_axis) * local_count
+    local = (experts - first).reshape(-1)  # [M]: each pair's expert among this device's
+    mine = (local >= 0) & (local < local_count)  # [M]
+    pair_weights = jnp.where(mine, weights.reshape(-1), 0.0).astype(x.dtype)  # [M]
+    pairs = jnp.repeat(tokens, k, axis=0)  # [M, d], token-major like `local`
+    m = pairs.shape[0]
+    if grouped is None:
+        grouped = m > cfg.num_experts
+    if not grouped:
+        chosen = jnp.clip(local, 0, local_count - 1)  # [M]
+        gate = jnp.einsum("md,mdf->mf", pairs, lw.expert_gate[chosen])
+        up = jnp.einsum("md,mdf->mf", pairs, lw.expert_up[chosen])
+        out = jnp.einsum("mf,mfd->md", _activation(cfg, gate) * up, lw.expert_down[chosen])  # [M, d]
+    else:
+        # sort the pairs by expert, other devices' pairs last (left out of every group: their rows come back 0)
+        key = jnp.where(mine, local, local_count)  # [M]
+        order = jnp.argsort(key, stable=True)  # [M]
+        sizes = jnp.bincount(key, length=local_count + 1)[:local_count].astype(jnp.int32)  # [E_local]
+        rows = pairs[order]  # [M, d]
+        gate = jax.lax.ragged_dot(rows, lw.expert_gate, sizes)  # [M, F]
+        up = jax.lax.ragged_dot(rows, lw.expert_up, sizes)
+        done = jax.lax.ragged_dot(_activation(cfg, gate) * up, lw.expert_down, sizes)  # [M, d]
+        out = jnp.zeros_like(done).at[order].set(done)  # back in token-major order
+    out = out * pair_weights[:, None]  # [M, d]
+    return out.reshape(b * t, k, d).sum(axis=1).reshape(b, t, d)
+
+
 def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask,
            model_axis=None, rowwise: bool = False, window=None):
     """One decoder layer. x: [B, T, d]; lw: one layer's weights (no L axis); cache_k/v: [B, Hkv, S, h] or None.
@@ -222,9 +276,12 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_norm_eps)
     x = x + out
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
-    gate = _rowwise("btd,df->btf", hx, lw.w_gate, rowwise)
-    up = _rowwise("btd,df->btf", hx, lw.w_up, rowwise)
-    out = _sum_shards(_rowwise("btf,fd->btd", _activation(cfg, gate) * up, lw.w_down, rowwise), model_axis)
+    if lw.router is not None:
+        out = _sum_shards(mixture_of_experts(cfg, hx, lw, model_axis), model_axis)
+    else:
+        gate = _rowwise("btd,df->btf", hx, lw.w_gate, rowwise)
+        up = _rowwise("btd,df->btf", hx, lw.w_up, rowwise)
+        out = _sum_shards(_rowwise("btf,fd->btd", _activation(cfg, gate) * up, lw.w_down, rowwise), model_axis)
     if lw.post_mlp_norm is not None:
         out = rms_norm(out, lw.post_mlp_norm, cfg.rms_norm_eps)
     return x + out, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -471,7 +528,7 @@ def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jn
     """Random weights (normal(0, scale) matrices, norms at 1) for tests and freshly initialised drafters."""
     num_layers, d, f, h = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hk = cfg.num_heads, cfg.num_kv_heads
-    keys = iter(jax.random.split(key, 16))
+    keys = iter(jax.random.split(key, 20))
 
     def normal(*shape):
         return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
@@ -479,10 +536,17 @@ def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jn
     def ones(*shape):
         return jnp.ones(shape, dtype)
 
+    e, fe = cfg.num_experts, cfg.moe_intermediate_size
+    dense = not e
     layers = LayerWeights(
         attn_norm=ones(num_layers, d), wq=normal(num_layers, d, hq, h), wk=normal(num_layers, d, hk, h),
         wv=normal(num_layers, d, hk, h), wo=normal(num_layers, hq, h, d), mlp_norm=ones(num_layers, d),
-        w_gate=normal(num_layers, d, f), w_up=normal(num_layers, d, f), w_down=normal(num_layers, f, d),
+        w_gate=normal(num_layers, d, f) if dense else None, w_up=normal(num_layers, d, f) if dense else None,
+        w_down=normal(num_layers, f, d) if dense else None,
+        router=None if dense else normal(num_layers, d, e),
+        expert_gate=None if dense else normal(num_layers, e, d, fe),
+        expert_up=None if dense else normal(num_layers, e, d, fe),
+        expert_down=None if dense else normal(num_layers, e, fe, d),
         bq=normal(num_layers, hq, h) if cfg.attention_bias else None,
         bk=normal(num_layers, hk, h) if cfg.attention_bias else None,
         bv=normal(num_layers, hk, h) if cfg.attention_bias else None,

@@ -36,6 +36,9 @@ LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "heads": MODEL,
     "kv_heads": MODEL,
     "mlp": MODEL,
+    "experts": MODEL,  # expert parallelism: each device holds E / model of a layer's experts
+    "expert_mlp": None,
+    "router": None,  # every device scores every expert
     "vocab": MODEL,
     "embed": None,
     "layers": None,
@@ -61,6 +64,10 @@ LAYER_WEIGHT_AXES: Mapping[str, tuple[str, ...]] = {
     "k_norm": ("layers", "head_dim"),
     "post_attn_norm": ("layers", "embed"),
     "post_mlp_norm": ("layers", "embed"),
+    "router": ("layers", "embed", "router"),
+    "expert_gate": ("layers", "experts", "embed", "expert_mlp"),
+    "expert_up": ("layers", "experts", "embed", "expert_mlp"),
+    "expert_down": ("layers", "experts", "expert_mlp", "embed"),
 }
 
 # Logical axes of the top-level `Weights` fields other than `layers`.
@@ -234,7 +241,7 @@ def check_divisible(cfg: ModelConfig, batch_size: int | None, mesh: Mesh | jax.s
     model_dims = {
         "num_heads": cfg.num_heads,
         "num_kv_heads": cfg.num_kv_heads,
-        "intermediate_size": cfg.intermediate_size,
+        **({"num_experts": cfg.num_experts} if cfg.num_experts else {"intermediate_size": cfg.intermediate_size}),
         "vocab_size": cfg.vocab_size,
     }
     bad = [f"{name}={value}" for name, value in model_dims.items() if value % model]
@@ -243,7 +250,7 @@ def check_divisible(cfg: ModelConfig, batch_size: int | None, mesh: Mesh | jax.s
         choices = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
         problems.append(
             f"the mesh's model axis of size {model} does not divide {', '.join(bad)}; use a model axis size "
-            f"that divides all of num_heads, num_kv_heads, intermediate_size and vocab_size ({choices})"
+            f"that divides all of {', '.join(model_dims)} ({choices})"
         )
     if batch_size is not None and batch_size % data:
         problems.append(

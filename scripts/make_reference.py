@@ -76,6 +76,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -247,6 +249,13 @@ def _tiny_config(name: str):
             # (the real Gemma-3-270M fixture covers the tied output)
             tie_word_embeddings=False,
         )
+    if name == "qwen3moe":
+        # 8 experts of width 32, 2 per token, renormalised: a decode step (2 token-expert pairs) and a 40-token
+        # forward (80 pairs) take jaxspec's two expert paths (gathered weights, grouped products).
+        return Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            **TINY_COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        )
     raise ValueError(name)
 
 
@@ -410,7 +419,72 @@ def make_gemma3_gguf() -> None:
     np.savez_compressed(FIXTURES / "gemma3_270m_reference.npz", **out)
 
 
-TINY_SEEDS = {"qwen2": 1, "qwen3": 2, "llama3": 3, "gemma3": 4}
+TINY_SEEDS = {"qwen2": 1, "qwen3": 2, "llama3": 3, "gemma3": 4, "qwen3moe": 5}
+
+
+def write_qwen3moe_gguf() -> None:
+    """tests/fixtures/tiny-qwen3moe.gguf: the tiny Qwen3-MoE folder as llama.cpp lays out a qwen3moe GGUF (float32
+    tensors; experts stacked as ffn_{gate,up,down}_exps, the router as ffn_gate_inp), checked by loading it back with
+    transformers' GGUF reader: its logits must equal the folder's."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    folder = FIXTURES / "tiny-qwen3moe"
+    config = json.loads((folder / "config.json").read_text())
+    t = {k.removeprefix("model."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    path = FIXTURES / "tiny-qwen3moe.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="qwen3moe")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    num_experts = config.get("num_experts") or config["num_local_experts"]  # transformers 5 writes the latter
+    writer.add_expert_count(num_experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    names = {"token_embd.weight": t["embed_tokens.weight"], "output_norm.weight": t["norm.weight"],
+             "output.weight": t["lm_head.weight"]}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        names.update({
+            f"blk.{i}.attn_norm.weight": t[p + "input_layernorm.weight"],
+            f"blk.{i}.attn_q.weight": t[p + "self_attn.q_proj.weight"],
+            f"blk.{i}.attn_k.weight": t[p + "self_attn.k_proj.weight"],
+            f"blk.{i}.attn_v.weight": t[p + "self_attn.v_proj.weight"],
+            f"blk.{i}.attn_output.weight": t[p + "self_attn.o_proj.weight"],
+            f"blk.{i}.attn_q_norm.weight": t[p + "self_attn.q_norm.weight"],
+            f"blk.{i}.attn_k_norm.weight": t[p + "self_attn.k_norm.weight"],
+            f"blk.{i}.ffn_norm.weight": t[p + "post_attention_layernorm.weight"],
+            f"blk.{i}.ffn_gate_inp.weight": t[p + "mlp.gate.weight"],  # [E, d]
+        })
+        for kind in ("gate", "up", "down"):  # [E, F, d] (gate, up) and [E, d, F] (down)
+            names[f"blk.{i}.ffn_{kind}_exps.weight"] = np.stack(
+                [t[f"{p}mlp.experts.{e}.{kind}_proj.weight"] for e in range(num_experts)])
+    for name, value in names.items():
+        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ref = np.load(FIXTURES / "tiny_qwen3moe_reference.npz")
+    # transformers reads no expert width from GGUF metadata: the folder's config is given, the tensors come from the
+    # GGUF file (named and laid out as llama.cpp writes them, or they would not load)
+    model = AutoModelForCausalLM.from_pretrained(str(FIXTURES), gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation="eager",
+                                                 config=Qwen3MoeConfig.from_pretrained(str(folder)))
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ref["input_ids"].astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+    print(f"tiny-qwen3moe.gguf: {path.stat().st_size / 1024:.0f} KiB, transformers reads it back to the same logits")
 
 
 def main() -> None:
@@ -426,6 +500,8 @@ def main() -> None:
     for name, seed in TINY_SEEDS.items():
         if only is None or name in only:
             make_tiny(name, seed)
+    if only is None or "qwen3moe" in only:
+        write_qwen3moe_gguf()
     if only is None or "smollm2" in only:
         make_smollm2()
     if only is None or "gemma3-270m" in only:

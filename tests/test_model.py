@@ -313,3 +313,52 @@ def test_unstacked_layers_compute_the_stacked_forward(tiny_llama3, monkeypatch):
     monkeypatch.setenv(LAYERS_ENV, "unstacked")
     assert isinstance(execution_weights(w).layers, tuple) == (jax.default_backend() == "cpu")
     assert generate(w, cfg, prompts, max_new_tokens=6, eos_ids=()).token_ids == plain.token_ids
+
+
+def test_the_two_expert_paths_agree_and_only_chosen_experts_count():
+    """Qwen3-MoE's gathered path (few token-expert pairs) and grouped path (many) give the same output; an expert
+    no token chose can change without changing it."""
+    import dataclasses
+
+    from jaxspec import load_model
+    from jaxspec.model import mixture_of_experts
+
+    model = load_model("tests/fixtures/tiny-qwen3moe", with_tokenizer=False)
+    cfg = model.config
+    lw = jax.tree.map(lambda w: w[0], model.weights.layers)  # layer 0
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, cfg.hidden_size)), jnp.float32)  # [B, T, d]
+    gathered = mixture_of_experts(cfg, x, lw, grouped=False)
+    grouped = mixture_of_experts(cfg, x, lw, grouped=True)
+    np.testing.assert_allclose(np.asarray(gathered), np.asarray(grouped), atol=1e-5)
+    scores = np.einsum("btd,de->bte", np.asarray(x), np.asarray(lw.router))  # [B, T, E]
+    chosen = set(np.argsort(-scores, axis=-1)[..., :cfg.num_experts_per_tok].reshape(-1).tolist())
+    unused = sorted(set(range(cfg.num_experts)) - chosen)
+    assert unused, "every expert was chosen: pick fewer tokens"
+    changed = dataclasses.replace(lw, expert_down=lw.expert_down.at[unused[0]].set(1.0))
+    for path in (False, True):
+        np.testing.assert_array_equal(np.asarray(mixture_of_experts(cfg, x, changed, grouped=path)),
+                                      np.asarray(gathered if not path else grouped))
+
+
+def test_qwen3_moe_gguf_equals_its_folder():
+    """The tiny Qwen3-MoE written as llama.cpp lays out a qwen3moe GGUF (read back by transformers to the folder's
+    logits when the fixture was made) loads to the same config and logits as the folder."""
+    from jaxspec import load_model
+
+    folder, gguf = (load_model(f"tests/fixtures/tiny-qwen3moe{ext}", with_tokenizer=False) for ext in ("", ".gguf"))
+    assert gguf.config.num_experts == folder.config.num_experts == 8 and gguf.config.norm_topk_prob
+    ref = np.load("tests/fixtures/tiny_qwen3moe_reference.npz")
+    ids = jnp.asarray(ref["input_ids"])
+    np.testing.assert_allclose(np.asarray(forward(gguf.weights, gguf.config, ids, _positions(ids)).logits),
+                               ref["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_moe_with_dense_layers_is_refused_by_name():
+    import json
+
+    from jaxspec.errors import UserError
+
+    with open("tests/fixtures/tiny-qwen3moe/config.json") as f:
+        raw = json.load(f)
+    with pytest.raises(UserError, match="mlp_only_layers=\\[1\\]"):
+        ModelConfig.from_hf_dict({**raw, "mlp_only_layers": [1]})

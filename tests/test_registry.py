@@ -1,8 +1,8 @@
 """Registry-driven tests: every method in `jaxspec.registry` is checked here without being named, so a new entry is
 covered the moment it is added. Its options are refused by name when it does not take them; its learned drafter
 family is trainable and its config class reads an empty config; built from the registry on a tiny target, its greedy
-output equals autoregressive decoding at batch 1 and at batch 3 with prompts of different lengths, on a Llama and on a
-Gemma 3 target."""
+output equals autoregressive decoding at batch 1 and at batch 3 with prompts of different lengths, on a Llama, a
+Gemma 3 and a Qwen3-MoE target."""
 
 import dataclasses
 
@@ -74,9 +74,10 @@ def _options(spec) -> MethodOptions:
     return MethodOptions(**options)
 
 
-@pytest.fixture(scope="module", params=["llama3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama3", "gemma3", "qwen3moe"])
 def target(request):
-    """The tiny Llama-3, and the tiny Gemma 3 (a sliding window of 8 positions: drafts and trees cross it)."""
+    """The tiny Llama-3, the tiny Gemma 3 (a sliding window of 8 positions: drafts and trees cross it) and the tiny
+    Qwen3-MoE (8 experts, 2 per token)."""
     import numpy as np
 
     from jaxspec import load_model

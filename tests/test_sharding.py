@@ -31,8 +31,9 @@ from jaxspec.model import LayerWeights, Weights
 NUM_FAKE_DEVICES = 8
 MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))  # (data, model)
 # (architecture, kv heads, meshes): qwen2 (biases, untied head) on every mesh; llama (GQA, tied head) where its
-# 4 kv heads split one per device, and on 1x8, which check_divisible must refuse.
-CASES = (("qwen2", 8, MESHES), ("llama", 4, ((1, 8), (2, 4))))
+# 4 kv heads split one per device, and on 1x8, which check_divisible must refuse; qwen3_moe (16 experts, 2 per
+# token) with its experts split over the model axis (expert parallelism: 2 to 16 per device) on every mesh.
+CASES = (("qwen2", 8, MESHES), ("llama", 4, ((1, 8), (2, 4))), ("qwen3_moe", 8, MESHES))
 TOLERANCE = 1e-5
 
 
@@ -41,8 +42,14 @@ TOLERANCE = 1e-5
 
 def tiny_config(architecture: str, num_kv_heads: int) -> ModelConfig:
     """8 query heads of dim 8 (d=64), f=128, V=256, 2 layers. qwen2 has biases and an untied head; the llama
-    variant ties the output to the embedding so both output paths meet a vocabulary-sharded matrix."""
+    variant ties the output to the embedding so both output paths meet a vocabulary-sharded matrix; qwen3_moe has
+    16 experts of width 16 in place of the MLP, 2 per token (a decoding step of 8 rows is 16 token-expert pairs: the
+    gathered path; a prefill the grouped one)."""
+    experts = {}
+    if architecture == "qwen3_moe":
+        experts = dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
     return ModelConfig(
+        **experts,
         architecture=architecture,
         vocab_size=256,
         hidden_size=64,
@@ -80,9 +87,13 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> Weights:
         "wv": ((L, d, hkv, h), d**-0.5, 0.0),
         "wo": ((L, hq, h, d), (hq * h) ** -0.5, 0.0),
         "mlp_norm": ((L, d), 0.1, 1.0),
-        "w_gate": ((L, d, f), d**-0.5, 0.0),
-        "w_up": ((L, d, f), d**-0.5, 0.0),
-        "w_down": ((L, f, d), f**-0.5, 0.0),
+        **({"w_gate": ((L, d, f), d**-0.5, 0.0), "w_up": ((L, d, f), d**-0.5, 0.0),
+            "w_down": ((L, f, d), f**-0.5, 0.0)} if not cfg.num_experts else {}),
+        **({"router": ((L, d, cfg.num_experts), 1.0, 0.0),
+            "expert_gate": ((L, cfg.num_experts, d, cfg.moe_intermediate_size), d**-0.5, 0.0),
+            "expert_up": ((L, cfg.num_experts, d, cfg.moe_intermediate_size), d**-0.5, 0.0),
+            "expert_down": ((L, cfg.num_experts, cfg.moe_intermediate_size, d), cfg.moe_intermediate_size**-0.5, 0.0)}
+           if cfg.num_experts else {}),
         **(
             {"bq": ((L, hq, h), 0.1, 0.0), "bk": ((L, hkv, h), 0.1, 0.0), "bv": ((L, hkv, h), 0.1, 0.0)} if bias else {}
         ),
@@ -181,7 +192,7 @@ def child_results():
     return run_child(__file__, NUM_FAKE_DEVICES, timeout=300)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3_moe"])
 def test_sharded_forward_matches_one_device(child_results, arch):
     runs = child_results["forward"][arch]
     _, kv_heads, meshes = next(c for c in CASES if c[0] == arch)
@@ -265,6 +276,10 @@ def _child() -> dict:
             wq = sharded_weights.layers.wq
             split = wq.addressable_shards[0].data.shape == (2, 64, 8 // model, 8)
             embed_split = sharded_weights.embed.addressable_shards[0].data.shape == (256 // model, 64)
+            if cfg.num_experts:  # each device holds E / model experts of every layer, and every router
+                experts = sharded_weights.layers.expert_gate.addressable_shards[0].data.shape
+                router = sharded_weights.layers.router.addressable_shards[0].data.shape
+                split = split and experts == (2, cfg.num_experts // model, 64, 16) and router == (2, 64, 16)
             prefill_logits, decode_logits, out_cache = step(sharded_weights, sharding.shard_cache(cache, mesh), *args)
             assert out_cache.k.sharding.is_equivalent_to(c_sh.k, out_cache.k.ndim)
             results["forward"][arch][name] = {
