@@ -4,6 +4,11 @@ Slots [0, lengths[b]) of row b hold committed tokens. A forward writes its T new
 [lengths[b], lengths[b] + T) without advancing `lengths`; the caller commits what it keeps (one decoded
 token, a prompt, an accepted draft path). Anything written beyond `lengths` is invisible to later
 attention and is overwritten by the next write, which is how rejected draft tokens disappear.
+
+A hybrid model (Qwen3.5) keeps keys and values for its attention layers only, and for each linear-attention layer
+a conv state (its last K-1 inputs) and a recurrent state. A forward writes no recurrent state: it returns what the
+commit needs (`jaxspec.gated_delta.PendingDelta`), and `commit_recurrent` moves each row's state to the last token
+it keeps, the way `commit_positions` moves the kept keys and values.
 """
 
 from __future__ import annotations
@@ -14,16 +19,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
+from jaxspec.gated_delta import conv_state_after, state_after
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """k, v: [L, B, Hkv, S, D]; lengths: int32[B] (committed tokens per row)."""
+    """k, v: [L, B, Hkv, S, D] (L: the attention layers); lengths: int32[B] (committed tokens per row); for a hybrid
+    model conv [Lg, B, K-1, C] and state [Lg, B, H, Dk, Dv] float32 of its Lg linear-attention layers (else None)."""
 
     k: jax.Array  # [L, B, Hkv, S, D]
     v: jax.Array  # [L, B, Hkv, S, D]
     lengths: jax.Array  # int32[B]
+    conv: jax.Array | None = None  # [Lg, B, K-1, C]
+    state: jax.Array | None = None  # [Lg, B, H, Dk, Dv] float32
 
     @property
     def max_length(self) -> int:
@@ -36,12 +45,18 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32, num_layers=None) -> KVCache:
-    """An empty cache of `max_length` slots per row (num_layers defaults to the model's)."""
-    num_layers = cfg.num_layers if num_layers is None else num_layers
+    """An empty cache of `max_length` slots per row (num_layers defaults to the model's attention layers), with the
+    zero conv and recurrent states of a hybrid model's linear-attention layers."""
+    linear = sum(cfg.linear_layers) if num_layers is None else 0  # a drafter's own cache of num_layers has none
+    num_layers = cfg.num_attention_layers if num_layers is None else num_layers
     shape = (num_layers, batch_size, cfg.num_kv_heads, max_length, cfg.head_dim)
-    return KVCache(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch_size,), jnp.int32)
-    )
+    conv = state = None
+    if linear:
+        conv = jnp.zeros((linear, batch_size, cfg.linear_conv_kernel - 1, cfg.linear_conv_channels), dtype)
+        state = jnp.zeros((linear, batch_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                           cfg.linear_value_head_dim), jnp.float32)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch_size,), jnp.int32),
+                   conv=conv, state=state)
 
 
 def _row_slots(lengths: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -94,4 +109,19 @@ def commit_positions(cache: KVCache, source_offsets: jax.Array, num_accepted: ja
         moved = buffer[:, rows, :, sources]  # [B, A, L, Hkv, D]
         return buffer.at[:, rows, :, targets].set(moved, mode="drop")
 
-    return KVCache(k=move(cache.k), v=move(cache.v), lengths=cache.lengths + num_accepted.astype(jnp.int32))
+    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v),
+                               lengths=cache.lengths + num_accepted.astype(jnp.int32))
+
+
+def commit_recurrent(cache: KVCache, pending, path: jax.Array, count: jax.Array) -> KVCache:
+    """Moves a hybrid model's linear-attention states to the last kept token of each row; a no-op otherwise.
+
+    pending: the forward's `PendingDelta` stacked over the Lg linear-attention layers (None: not a hybrid model);
+    path: int32[B, A], the kept tokens' indices among the forward's new tokens, first (the root) first: a chain of
+    the tree; count: int32[B], how many of them are kept (0 keeps the state). Lengths are not touched.
+    """
+    if pending is None:
+        return cache
+    state = jax.vmap(state_after, in_axes=(0, 0, None, None))(cache.state, pending, path, count)
+    conv = jax.vmap(conv_state_after, in_axes=(0, 0, None, None))(cache.conv, pending, path, count)
+    return dataclasses.replace(cache, conv=conv.astype(cache.conv.dtype), state=state)

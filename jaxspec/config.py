@@ -15,14 +15,16 @@ from typing import Any
 
 from jaxspec.errors import UserError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gemma3")
 # Hugging Face model_type -> architecture (Gemma 3's text model is "gemma3_text"; a multimodal "gemma3" folder holds
 # one under text_config, read by `from_hf_config`).
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                  "gemma3_text": "gemma3"}
+                  "qwen3_5_text": "qwen3_5", "gemma3_text": "gemma3"}
+MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}  # their language model's model_type
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
 HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF hidden_act -> jaxspec's name
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of a model with sliding-window layers
+LINEAR = "linear_attention"  # a Gated DeltaNet layer of a hybrid model (Qwen3.5)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,7 +42,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape-defining description of a decoder-only transformer."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -71,6 +73,16 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the chosen experts' router probabilities renormalised to sum to 1
+    # Hybrid linear attention (Qwen3.5): the LINEAR layers are Gated DeltaNets (jaxspec.gated_delta) with these
+    # head counts and dims and a causal conv of `linear_conv_kernel` taps; its attention layers gate their output
+    # and rotate only the first partial_rotary_factor of each head
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    partial_rotary_factor: float = 1.0
+    attention_output_gate: bool = False
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -81,10 +93,10 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTIVATIONS.values():
             raise UserError(f"hidden_act '{self.hidden_act}' is not supported; jaxspec runs silu and gelu_tanh.")
         if self.layer_types:
-            unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
+            unknown = sorted(set(self.layer_types) - {SLIDING, FULL, LINEAR})
             if unknown or len(self.layer_types) != self.num_layers:
-                raise UserError(f"layer_types must name {SLIDING} or {FULL} for each of the {self.num_layers} "
-                                f"layers; got {list(self.layer_types)}.")
+                raise UserError(f"layer_types must name {SLIDING}, {FULL} or {LINEAR} for each of the "
+                                f"{self.num_layers} layers; got {list(self.layer_types)}.")
             if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_rope_theta):
                 raise UserError("A config with sliding-window layers needs sliding_window and their RoPE base.")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -95,6 +107,27 @@ class ModelConfig:
     def sliding_layers(self) -> tuple[bool, ...]:
         """Per layer, whether it attends within the sliding window (all False for a model without such layers)."""
         return tuple(kind == SLIDING for kind in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def linear_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a linear-attention (Gated DeltaNet) layer rather than attention."""
+        return tuple(kind == LINEAR for kind in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (recurrent state in the cache, beside the attention KV)."""
+        return any(self.linear_layers)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a key/value cache."""
+        return self.num_layers - sum(self.linear_layers)
+
+    @property
+    def linear_conv_channels(self) -> int:
+        """C: the channels of a linear-attention layer's conv (its q, k and v before the recurrence)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def attention_scale(self) -> float:
@@ -152,7 +185,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-        layer_types = tuple(raw.get("layer_types") or ()) if architecture == "gemma3" else ()
+        layer_types = tuple(raw.get("layer_types") or ()) if architecture in ("gemma3", "qwen3_5") else ()
         sliding_theta = None
         if FULL in rope_params or SLIDING in rope_params:  # one RoPE per layer type (Gemma 3)
             sliding = rope_params.get(SLIDING) or {}
@@ -162,6 +195,16 @@ class ModelConfig:
             rope_params = rope_params.get(FULL) or {}
         rope_theta = raw.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         gemma = architecture == "gemma3"
+        linear = {}
+        if architecture == "qwen3_5":
+            linear = dict(linear_num_key_heads=int(raw["linear_num_key_heads"]),
+                          linear_num_value_heads=int(raw["linear_num_value_heads"]),
+                          linear_key_head_dim=int(raw["linear_key_head_dim"]),
+                          linear_value_head_dim=int(raw["linear_value_head_dim"]),
+                          linear_conv_kernel=int(raw["linear_conv_kernel_dim"]),
+                          partial_rotary_factor=float(rope_params.get("partial_rotary_factor",
+                                                                      raw.get("partial_rotary_factor", 0.25))),
+                          attention_output_gate=True)
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -176,7 +219,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_hf(rope_params),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=architecture in ("qwen3", "qwen3_moe") or gemma,
+            qk_norm=architecture in ("qwen3", "qwen3_moe", "qwen3_5") or gemma,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -188,6 +231,7 @@ class ModelConfig:
             sliding_window=raw.get("sliding_window") if SLIDING in layer_types else None,
             sliding_rope_theta=sliding_theta if SLIDING in layer_types else None,
             **_experts_from_hf(raw, architecture),
+            **linear,
         )
 
     @classmethod
@@ -201,7 +245,7 @@ class ModelConfig:
             raise UserError(f"No config.json in '{folder}': a Hugging Face model folder needs one.")
         with open(os.path.join(folder, "config.json")) as f:
             raw = json.load(f)
-        multimodal = raw.get("model_type") == "gemma3" and "text_config" in raw  # a vision tower + a text model
+        multimodal = raw.get("model_type") in MULTIMODAL_MODEL_TYPES and "text_config" in raw  # vision + text
         if raw.get("model_type") in HF_MODEL_TYPES or multimodal:
             from transformers import AutoConfig
 
@@ -210,7 +254,7 @@ class ModelConfig:
             merged.update({k: v for k, v in raw.items() if k not in merged})
             raw = merged
         if multimodal:
-            raw = {**raw["text_config"], "model_type": "gemma3_text"}
+            raw = {**raw["text_config"], "model_type": MULTIMODAL_MODEL_TYPES[raw["model_type"]]}
         return cls.from_hf_dict(raw)
 
     @classmethod
@@ -312,11 +356,20 @@ class ModelConfig:
                                     SLIDING: {"rope_type": "default", "rope_theta": self.sliding_rope_theta}},
             }
             rope = None
+        if self.architecture == "qwen3_5":
+            extra = {"layer_types": list(self.layer_types), "linear_num_key_heads": self.linear_num_key_heads,
+                     "linear_num_value_heads": self.linear_num_value_heads,
+                     "linear_key_head_dim": self.linear_key_head_dim,
+                     "linear_value_head_dim": self.linear_value_head_dim,
+                     "linear_conv_kernel_dim": self.linear_conv_kernel,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                         "partial_rotary_factor": self.partial_rotary_factor}}
         if self.num_experts:
             extra = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
                      "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob}
         return {
-            "model_type": {"gemma3": "gemma3_text"}.get(self.architecture, self.architecture),
+            "model_type": {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}.get(self.architecture,
+                                                                                   self.architecture),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxspec.cache import KVCache, init_cache
+from jaxspec.cache import KVCache, commit_recurrent, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.model import Weights, causal_mask, execution_weights, lm_head
@@ -56,6 +56,7 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
     last_hidden = jnp.take_along_axis(out.last_hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
     last = lm_head(weights, cfg, last_hidden)[:, 0]  # [B, V]: the LM head only where it is needed
     cache = dataclasses.replace(out.cache, lengths=prompt_lengths.astype(jnp.int32))
+    cache = commit_recurrent(cache, out.pending, positions, prompt_lengths)  # a hybrid model's states (else as is)
     return last, out, cache
 
 
@@ -69,6 +70,7 @@ def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVC
     out = forward_on_mesh(mesh, weights, cfg, token[:, None], cache.lengths[:, None], cache,
                           hidden_layers=hidden_layers)
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + advance.astype(jnp.int32))
+    cache = commit_recurrent(cache, out.pending, jnp.zeros_like(token)[:, None], advance.astype(jnp.int32))
     if hidden_layers:
         return out.logits[:, 0], cache, out.hidden[:, :, 0]
     return out.logits[:, 0], cache

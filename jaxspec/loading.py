@@ -275,8 +275,9 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
             raise UserError(f"The checkpoint in '{folder}' has no tensor '{name}'; it does not match its config.json.")
         return tensors[name]
 
-    # Gemma's norms scale by (1 + weight); jaxspec's by weight: add the 1 here (GGUF files already hold it).
-    norm_offset = 1.0 if cfg.architecture == "gemma3" else 0.0
+    # Gemma's and Qwen3.5's norms scale by (1 + weight); jaxspec's by weight: add the 1 here (GGUF files already
+    # hold it).
+    norm_offset = 1.0 if cfg.architecture in ("gemma3", "qwen3_5") else 0.0
     raw = {
         "embed": get("embed_tokens.weight"),
         "final_norm": get("norm.weight") + norm_offset,
@@ -293,6 +294,8 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
             names.pop(key)
     if not cfg.qk_norm:
         names.pop("q_norm"), names.pop("k_norm")
+    if cfg.is_hybrid:
+        return cfg, _hybrid_layers(cfg, raw, get, norm_offset, dtype)
     per_layer = []
     for i in range(cfg.num_layers):
         layer = {key: get(f"layers.{i}.{name}") + (norm_offset if key in _NORMS else 0.0)
@@ -301,6 +304,57 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
             layer.update(_hf_experts(get, tensors, f"layers.{i}.mlp.", cfg.num_experts))
         per_layer.append(layer)
     return cfg, _assemble(cfg, raw, per_layer, dtype)
+
+
+def _hybrid_layers(cfg: ModelConfig, raw: dict, get, norm_offset: float, dtype) -> Weights:
+    """A hybrid model's weights (Qwen3.5) from a Hugging Face checkpoint: one LayerWeights per layer (linear-attention
+    and attention layers hold different fields, so they are not stacked), in jaxspec's layout."""
+    d, h, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+
+    def place(x):
+        return jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        fields = {
+            "attn_norm": get(p + "input_layernorm.weight") + norm_offset,
+            "mlp_norm": get(p + "post_attention_layernorm.weight") + norm_offset,
+            "w_gate": get(p + "mlp.gate_proj.weight").T,  # [d, f]
+            "w_up": get(p + "mlp.up_proj.weight").T,
+            "w_down": get(p + "mlp.down_proj.weight").T,  # [f, d]
+        }
+        if cfg.linear_layers[i]:
+            a = p + "linear_attn."
+            fields.update(
+                lin_qkv=get(a + "in_proj_qkv.weight").T,  # [d, C]
+                lin_z=get(a + "in_proj_z.weight").T.reshape(d, hv, dv),
+                lin_b=get(a + "in_proj_b.weight").T,  # [d, H]
+                lin_a=get(a + "in_proj_a.weight").T,
+                lin_conv=get(a + "conv1d.weight")[:, 0, :],  # [C, K]
+                lin_dt_bias=get(a + "dt_bias"),
+                lin_a_log=get(a + "A_log"),
+                lin_norm=get(a + "norm.weight"),  # a plain weight (its (1 + w) is not used here)
+                lin_out=get(a + "out_proj.weight").T.reshape(hv, dv, d),
+            )
+        else:
+            a = p + "self_attn."
+            q_and_gate = get(a + "q_proj.weight").reshape(hq, 2, h, d)  # per head: its query rows, then its gate's
+            fields.update(
+                wq=q_and_gate[:, 0].transpose(2, 0, 1),  # [d, Hq, h]
+                wq_gate=q_and_gate[:, 1].transpose(2, 0, 1),
+                wk=get(a + "k_proj.weight").reshape(cfg.num_kv_heads, h, d).transpose(2, 0, 1),
+                wv=get(a + "v_proj.weight").reshape(cfg.num_kv_heads, h, d).transpose(2, 0, 1),
+                wo=get(a + "o_proj.weight").reshape(d, hq, h).transpose(1, 2, 0),  # [Hq, h, d]
+                q_norm=get(a + "q_norm.weight") + norm_offset,
+                k_norm=get(a + "k_norm.weight") + norm_offset,
+            )
+        empty = {f.name: None for f in dataclasses.fields(LayerWeights)}
+        layers.append(LayerWeights(**{**empty, **{key: place(value) for key, value in fields.items()}}))
+    lm_head = raw.pop("lm_head")
+    return Weights(embed=place(raw.pop("embed")), layers=tuple(layers), final_norm=place(raw.pop("final_norm")),
+                   lm_head=None if lm_head is None else place(lm_head.T))
 
 
 def _hf_experts(get, tensors: dict, prefix: str, num_experts: int) -> dict[str, np.ndarray]:

@@ -156,6 +156,9 @@ def build_method(name: str, target: LoadedModel, options: MethodOptions = Method
     """
     if options.mesh is None:
         return _build_method(name, target, options)
+    if target.config.is_hybrid:
+        raise UserError(f"--mesh: a hybrid model with linear-attention layers ({target.config.architecture}) runs on "
+                        "one device in jaxspec for now; leave out --mesh.")
     from jaxspec.sharding import check_divisible, make_mesh, parse_mesh, replicate_on_mesh, shard_weights
 
     if method_spec(name).pipeline and options.stage_devices != 1:
@@ -220,6 +223,10 @@ def check_method_options(name: str, options: MethodOptions) -> None:
 def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
     check_method_options(name, options)
     spec = method_spec(name)
+    if target.config.is_hybrid and (spec.family == "pipeline" or name == "early-exit"):
+        raise UserError(f"{name} runs the target's layers in separate pieces (stages, or the first layers alone), "
+                        f"which jaxspec does not do yet for a hybrid model with linear-attention layers "
+                        f"({target.config.architecture}); its other methods run on it.")
     method = _BUILDERS[spec.family](spec, target, options)
     method.spec = spec
     return method
@@ -244,6 +251,9 @@ def _build_training_free(spec: MethodSpec, target: LoadedModel, options: MethodO
         drafter.check_compatible(None, target.config)
         return Method(name=spec.name, drafter=drafter, params=None, target=target)
     draft = load_model(options.draft_model, dtype=target.weights.embed.dtype)
+    if draft.config.is_hybrid:
+        raise UserError(f"The draft model {options.draft_model} has linear-attention layers "
+                        f"({draft.config.architecture}); jaxspec drafts with attention-only models for now.")
     drafter = DraftModelDrafter(depth=k, tree_width=width, draft_cfg=draft.config)
     drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
     return Method(name=spec.name, drafter=drafter, params=draft.weights, target=target)

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxspec.cache import KVCache, write_new_entries
 from jaxspec.config import ModelConfig, RopeScaling
+from jaxspec.gated_delta import PendingDelta, l2_normalize, tree_conv, tree_gated_delta
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -50,6 +51,18 @@ class LayerWeights:
     expert_gate: jax.Array | None = None  # [L, E, d, F]
     expert_up: jax.Array | None = None  # [L, E, d, F]
     expert_down: jax.Array | None = None  # [L, E, F, d]
+    wq_gate: jax.Array | None = None  # [L, d, Hq, h]: the attention output's sigmoid gate (Qwen3.5)
+    # A linear-attention layer (Qwen3.5's Gated DeltaNet, jaxspec.gated_delta) in place of attention; C conv channels
+    # (q, k, v), H value heads, K conv taps
+    lin_qkv: jax.Array | None = None  # [L, d, C]
+    lin_z: jax.Array | None = None  # [L, d, H, Dv]: the output gate
+    lin_b: jax.Array | None = None  # [L, d, H]: beta = sigmoid(x lin_b)
+    lin_a: jax.Array | None = None  # [L, d, H]: the decay's input
+    lin_conv: jax.Array | None = None  # [L, C, K]
+    lin_dt_bias: jax.Array | None = None  # [L, H]
+    lin_a_log: jax.Array | None = None  # [L, H]
+    lin_norm: jax.Array | None = None  # [L, Dv]
+    lin_out: jax.Array | None = None  # [L, H, Dv, d]
 
 
 @jax.tree_util.register_dataclass
@@ -72,12 +85,14 @@ class ForwardOutput:
     """What `forward` returns. logits: [B, T, V] float32 (None when the range stops before the last layer);
     hidden: [n, B, T, d], the residual stream after each layer the caller named (None if none); last_hidden:
     [B, T, d], the residual stream after the range's last layer, before the final norm; cache: with the new
-    entries written (lengths unchanged), None when no cache was given."""
+    entries written (lengths unchanged), None when no cache was given; pending: for a hybrid model, what its
+    linear-attention layers need to commit (`jaxspec.cache.commit_recurrent`), stacked over those layers."""
 
     logits: jax.Array | None
     hidden: jax.Array | None
     last_hidden: jax.Array
     cache: KVCache | None
+    pending: PendingDelta | None = None
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -93,7 +108,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def rope_inverse_frequencies(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
     """float32[h/2]: RoPE inverse frequencies with the config's scaling (a static constant); with `sliding`, those
     of the sliding-window layers (their own base, unscaled)."""
-    h = cfg.head_dim
+    h = int(cfg.head_dim * cfg.partial_rotary_factor)  # the rotated dims (a quarter of each head in Qwen3.5)
     theta = cfg.sliding_rope_theta if sliding else cfg.rope_theta
     inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
     s = RopeScaling() if sliding else cfg.rope_scaling
@@ -111,7 +126,11 @@ def rope_inverse_frequencies(cfg: ModelConfig, sliding: bool = False) -> np.ndar
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x: [B, T, H, h]; positions: int32[B, T]. Rotates halves (the Hugging Face layout)."""
+    """x: [B, T, H, h]; positions: int32[B, T]. Rotates halves (the Hugging Face layout) of the first
+    2 * len(inv_freq) dims of each head (all of them but with partial rotary embeddings) and keeps the rest."""
+    rotated = 2 * inv_freq.shape[-1]
+    if rotated < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotated], positions, inv_freq), x[..., rotated:]], axis=-1)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, h/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
@@ -268,13 +287,19 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window)
+    if lw.wq_gate is not None:  # Qwen3.5: each head's output gated by sigmoid(x wq_gate)
+        attn = attn * jax.nn.sigmoid(_rowwise("btd,dnh->btnh", hx, lw.wq_gate, rowwise)).astype(attn.dtype)
     # the heads flattened into one contraction axis: as "btnh,nhd->btd" XLA copied a transposed wo every step
     b, t, n, h = attn.shape
     wo = lw.wo.reshape(n * h, lw.wo.shape[-1])  # [n * h, d], a bitcast of [n, h, d]
     out = _sum_shards(_rowwise("bte,ed->btd", attn.reshape(b, t, n * h), wo, rowwise), model_axis)  # [B, T, d]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_norm_eps)
-    x = x + out
+    return _mlp_block(cfg, x + out, lw, model_axis, rowwise), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _mlp_block(cfg: ModelConfig, x: jax.Array, lw: LayerWeights, model_axis=None, rowwise: bool = False):
+    """The second half of a layer: x [B, T, d] plus the MLP (or the experts) of its norm. Returns [B, T, d]."""
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     if lw.router is not None:
         out = _sum_shards(mixture_of_experts(cfg, hx, lw, model_axis), model_axis)
@@ -284,7 +309,74 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
         out = _sum_shards(_rowwise("btf,fd->btd", _activation(cfg, gate) * up, lw.w_down, rowwise), model_axis)
     if lw.post_mlp_norm is not None:
         out = rms_norm(out, lw.post_mlp_norm, cfg.rms_norm_eps)
-    return x + out, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return x + out
+
+
+def _linear_layer(cfg: ModelConfig, x, lw: LayerWeights, conv_state, state, ancestors):
+    """One linear-attention layer of a hybrid model (Qwen3.5's Gated DeltaNet), then its MLP.
+
+    x: [B, T, d]; conv_state: [B, K-1, C] the layer's last committed conv inputs; state: [B, H, Dk, Dv] float32 its
+    committed recurrent state; ancestors: bool[B, T, T] ancestor-or-self mask of the new tokens (causal for a chain).
+    Every new token reads the state along its own path and nothing is written: returns (x_out [B, T, d],
+    PendingDelta for the commit).
+    """
+    b, t, _ = x.shape
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    hx = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+    mixed = jnp.einsum("btd,dc->btc", hx, lw.lin_qkv)  # [B, T, C]: q | k | v before the conv
+    gate = jnp.einsum("btd,dhv->bthv", hx, lw.lin_z)  # [B, T, H, Dv]
+    beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", hx, lw.lin_b).astype(jnp.float32))  # [B, T, H]
+    a = jnp.einsum("btd,dh->bth", hx, lw.lin_a).astype(jnp.float32)
+    g = -jnp.exp(lw.lin_a_log.astype(jnp.float32)) * jax.nn.softplus(a + lw.lin_dt_bias.astype(jnp.float32))
+    conv, window = tree_conv(mixed, conv_state, lw.lin_conv, ancestors)  # [B, T, C] float32
+    q = conv[..., :hk * dk].reshape(b, t, hk, dk)
+    k = conv[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
+    v = conv[..., 2 * hk * dk:].reshape(b, t, hv, dv)
+    # each key head serves hv / hk consecutive value heads
+    q = jnp.repeat(l2_normalize(q), hv // hk, axis=2) * dk ** -0.5  # [B, T, H, Dk]
+    k = jnp.repeat(l2_normalize(k), hv // hk, axis=2)
+    out, pending = tree_gated_delta(q, k, v, g, beta, state, ancestors)  # [B, T, H, Dv] float32
+    out = rms_norm(out, lw.lin_norm, cfg.rms_norm_eps) * jax.nn.silu(gate.astype(jnp.float32))
+    x = x + jnp.einsum("bthv,hvd->btd", out.astype(x.dtype), lw.lin_out)
+    return _mlp_block(cfg, x, lw), dataclasses.replace(pending, window=window)
+
+
+def run_hybrid_layers(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, positions, cache: KVCache | None,
+                      mask, *, keep_hidden: bool = False):
+    """The layers of a hybrid model (attention and linear attention, one buffer each), without touching the cache.
+
+    layers: a tuple of every layer's LayerWeights; x: [B, T, d]; positions: int32[B, T]; cache: the committed
+    context (None: none, as for a prefill); mask: bool[B, T, T] or None (one token).
+    Returns (x [B, T, d], new_k [La, B, Hkv, T, h], new_v for the La attention layers, hidden [L, B, T, d] or None,
+    PendingDelta stacked over the linear-attention layers).
+    """
+    b, t = x.shape[:2]
+    ancestors = jnp.ones((b, 1, 1), jnp.bool_) if mask is None else mask  # [B, T, T]
+    inv_freq = rope_inverse_frequencies(cfg)
+    lengths = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
+    new_k, new_v, hidden, pending = [], [], [], []
+    for i, lw in enumerate(layers):
+        if cfg.linear_layers[i]:
+            j = len(pending)
+            if cache is None:
+                conv = jnp.zeros((b, cfg.linear_conv_kernel - 1, cfg.linear_conv_channels), x.dtype)
+                state = jnp.zeros((b, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                   cfg.linear_value_head_dim), jnp.float32)
+            else:
+                conv, state = cache.conv[j], cache.state[j]
+            x, p = _linear_layer(cfg, x, lw, conv, state, ancestors)
+            pending.append(p)
+        else:
+            j = len(new_k)
+            ck = None if cache is None else cache.k[j]
+            cv = None if cache is None else cache.v[j]
+            x, nk, nv = _layer(cfg, inv_freq, x, lw, ck, cv, lengths, positions, mask)
+            new_k.append(nk)
+            new_v.append(nv)
+        hidden.append(x)
+    stacked = jax.tree.map(lambda *parts: jnp.stack(parts), *pending)
+    return x, jnp.stack(new_k), jnp.stack(new_v), jnp.stack(hidden) if keep_hidden else None, stacked
 
 
 def layer_kinds(cfg: ModelConfig, layer_ids) -> tuple[jax.Array, jax.Array] | None:
@@ -506,22 +598,30 @@ def forward(
         mask = causal_mask(b, t)
     layers = select_layers(weights.layers, start, end)
 
-    if cache is not None and read_cache:
-        cache_lengths = cache.lengths
-        layer_cache = (cache.k[start:end], cache.v[start:end])  # [Lr, B, Hkv, S, h] each
-    else:
-        cache_lengths = jnp.zeros((b,), jnp.int32)
-        layer_cache = (None, None)
     keep_hidden = bool(hidden_layers)
-    x, new_k, new_v, all_hidden = run_layers(cfg, layers, x, positions, *layer_cache, cache_lengths, mask,
-                                             keep_hidden=keep_hidden, model_axis=model_axis,
-                                             layer_ids=np.arange(start, end))
+    pending = None
+    if cfg.is_hybrid:
+        if (start, end) != (0, cfg.num_layers) or model_axis is not None or not isinstance(layers, tuple):
+            raise ValueError("A hybrid model runs all its layers at once, on one device, from per-layer weights.")
+        x, new_k, new_v, all_hidden, pending = run_hybrid_layers(
+            cfg, layers, x, positions, cache if cache is not None and read_cache else None, mask,
+            keep_hidden=keep_hidden)
+    else:
+        if cache is not None and read_cache:
+            cache_lengths = cache.lengths
+            layer_cache = (cache.k[start:end], cache.v[start:end])  # [Lr, B, Hkv, S, h] each
+        else:
+            cache_lengths = jnp.zeros((b,), jnp.int32)
+            layer_cache = (None, None)
+        x, new_k, new_v, all_hidden = run_layers(cfg, layers, x, positions, *layer_cache, cache_lengths, mask,
+                                                 keep_hidden=keep_hidden, model_axis=model_axis,
+                                                 layer_ids=np.arange(start, end))
     hidden = None
     if keep_hidden:
         hidden = all_hidden[jnp.array([i - start for i in hidden_layers])]  # [n, B, T, d]
     new_cache = write_new_entries(cache, new_k, new_v, layer_start=start) if cache is not None else None
     logits = lm_head(weights, cfg, x) if (compute_logits and end == cfg.num_layers) else None
-    return ForwardOutput(logits=logits, hidden=hidden, last_hidden=x, cache=new_cache)
+    return ForwardOutput(logits=logits, hidden=hidden, last_hidden=x, cache=new_cache, pending=pending)
 
 
 def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jnp.float32) -> Weights:

@@ -39,6 +39,9 @@ LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "experts": MODEL,  # expert parallelism: each device holds E / model of a layer's experts
     "expert_mlp": None,
     "router": None,  # every device scores every expert
+    "conv_taps": None,  # a hybrid model's linear-attention states (not split yet: hybrid models run on one device)
+    "conv_channels": None,
+    "linear_heads": None,
     "vocab": MODEL,
     "embed": None,
     "layers": None,
@@ -68,6 +71,16 @@ LAYER_WEIGHT_AXES: Mapping[str, tuple[str, ...]] = {
     "expert_gate": ("layers", "experts", "embed", "expert_mlp"),
     "expert_up": ("layers", "experts", "embed", "expert_mlp"),
     "expert_down": ("layers", "experts", "expert_mlp", "embed"),
+    "wq_gate": ("layers", "embed", "heads", "head_dim"),
+    "lin_qkv": ("layers", "embed", "conv_channels"),
+    "lin_z": ("layers", "embed", "linear_heads", "head_dim"),
+    "lin_b": ("layers", "embed", "linear_heads"),
+    "lin_a": ("layers", "embed", "linear_heads"),
+    "lin_conv": ("layers", "conv_channels", "conv_taps"),
+    "lin_dt_bias": ("layers", "linear_heads"),
+    "lin_a_log": ("layers", "linear_heads"),
+    "lin_norm": ("layers", "head_dim"),
+    "lin_out": ("layers", "linear_heads", "head_dim", "embed"),
 }
 
 # Logical axes of the top-level `Weights` fields other than `layers`.
@@ -82,6 +95,8 @@ CACHE_AXES: Mapping[str, tuple[str, ...]] = {
     "k": ("layers", "batch", "kv_heads", "seq", "head_dim"),
     "v": ("layers", "batch", "kv_heads", "seq", "head_dim"),
     "lengths": ("batch",),
+    "conv": ("layers", "batch", "conv_taps", "conv_channels"),
+    "state": ("layers", "batch", "linear_heads", "head_dim", "head_dim"),
 }
 
 

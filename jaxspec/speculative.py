@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxspec import metrics
-from jaxspec.cache import commit_positions, init_cache
+from jaxspec.cache import commit_positions, commit_recurrent, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
@@ -114,7 +114,8 @@ def speculative_generate_tokens(
             history = _write_rows(history, acc.tokens, cache.lengths + 1)
             committed = jnp.where(active, acc.num_accepted + 1, 0)
             cache = commit_positions(verification.cache, acc.path, committed)
-            verification = dataclasses.replace(verification, cache=None)
+            cache = commit_recurrent(cache, verification.pending, acc.path, committed)  # hybrid models only
+            verification = dataclasses.replace(verification, cache=None, pending=None)
             state = drafter.update(drafter_params, state, inputs, verification, acc)
             accepted_log = _write_rows(carry["accepted_log"], jnp.where(active, acc.num_accepted, -1)[:, None],
                                        jnp.minimum(carry["rounds"], max_new_tokens - 1))

@@ -79,6 +79,7 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -256,18 +257,29 @@ def _tiny_config(name: str):
             **TINY_COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8,
             num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         )
+    if name == "qwen3_5":
+        # The hybrid stack: Gated DeltaNet layers (2 key heads serving 4 value heads of 16 dims, conv kernel 4)
+        # around one gated full-attention layer (head_dim 32, RoPE on its first quarter).
+        return Qwen3_5ForCausalLM, Qwen3_5TextConfig(
+            **TINY_COMMON, head_dim=32, tie_word_embeddings=False,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
     raise ValueError(name)
 
 
 def _reinit(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     # Gemma's norms scale by (1 + weight): their weights are drawn around 0 so the scale is near 1, as trained.
-    norm_centre = 0.0 if model.config.model_type.startswith("gemma") else 1.0
+    # So do Qwen3.5's, except the gated norm inside its linear-attention layers (a plain weight).
+    zero_centred = model.config.model_type.startswith(("gemma", "qwen3_5"))
     with torch.no_grad():
         for pname, p in model.named_parameters():  # tied weights appear once
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1
             if "norm" in pname:
-                p.copy_(norm_centre + noise)
+                p.copy_((0.0 if zero_centred and "linear_attn.norm" not in pname else 1.0) + noise)
             else:
                 p.copy_(noise)
 
@@ -419,7 +431,7 @@ def make_gemma3_gguf() -> None:
     np.savez_compressed(FIXTURES / "gemma3_270m_reference.npz", **out)
 
 
-TINY_SEEDS = {"qwen2": 1, "qwen3": 2, "llama3": 3, "gemma3": 4, "qwen3moe": 5}
+TINY_SEEDS = {"qwen2": 1, "qwen3": 2, "llama3": 3, "gemma3": 4, "qwen3moe": 5, "qwen3_5": 6}
 
 
 def write_qwen3moe_gguf() -> None:

@@ -1,0 +1,55 @@
+"""A hybrid target (the tiny Qwen3.5: two Gated DeltaNet layers, one attention layer) through a verification round
+by hand: a tree whose accepted path runs through a second sibling and stops mid-tree. After the commit, the
+recurrent and conv states (and the next logits) equal a fresh prefill of the committed text."""
+
+import jax.numpy as jnp
+import numpy as np
+from conftest import fixture_path
+
+from jaxspec import load_model
+from jaxspec.cache import commit_positions, commit_recurrent, init_cache
+from jaxspec.generate import decode_step, prefill
+from jaxspec.sampling import GREEDY
+from jaxspec.tree import DraftTree
+from jaxspec.verification import verify_and_accept, verify_forward
+
+
+def test_a_round_that_rejects_mid_tree_leaves_the_state_of_a_fresh_prefill():
+    model = load_model(fixture_path("tiny-qwen3_5"), with_tokenizer=False)
+    cfg, w = model.config, model.weights
+    ref = np.load(fixture_path("tiny_qwen3_5_reference.npz"))
+    context = jnp.asarray(ref["input_ids"][:1, :12])  # [1, 12]
+    cache = init_cache(cfg, 1, 64)
+    logits, _, cache = prefill(w, cfg, context, jnp.array([12]), cache)
+    root = jnp.argmax(logits, -1).astype(jnp.int32)  # [1]: the token after the context, not yet in the cache
+    # the target's own greedy continuation after the root: g1, g2, g3
+    greedy, probe = [], cache
+    token = root
+    for _ in range(3):
+        step, probe = decode_step(w, cfg, token, probe, jnp.ones(1, bool))
+        token = jnp.argmax(step, -1).astype(jnp.int32)
+        greedy.append(int(token[0]))
+    g1, g2, g3 = greedy
+    wrong = [(g + 7) % cfg.vocab_size for g in greedy]
+    # nodes: 0 wrong (child of root), 1 g1 (its sibling), 2 g2 (under 1), 3 wrong (under 2), 4 wrong (under 1)
+    tree = DraftTree(tokens=jnp.asarray([[wrong[0], g1, g2, wrong[2], wrong[1]]], jnp.int32),
+                     parents=jnp.asarray([[-1, -1, 1, 2, 1]], jnp.int32), valid=jnp.ones((1, 5), bool))
+    verification = verify_forward(w, cfg, cache, root, tree)
+    acc = verify_and_accept(tree, verification.logits, GREEDY, jnp.zeros((1, 5)), jnp.zeros((1,)))
+    assert int(acc.num_accepted[0]) == 2  # g1, g2 accepted through the second sibling; g3 is the bonus
+    assert acc.path[0, :3].tolist() == [0, 2, 3] and int(acc.bonus[0]) == g3
+    committed = acc.num_accepted + 1
+    after = commit_positions(verification.cache, acc.path, committed)
+    after = commit_recurrent(after, verification.pending, acc.path, committed)
+
+    text = jnp.concatenate([context, jnp.asarray([[int(root[0]), g1, g2]], jnp.int32)], axis=1)  # [1, 15]
+    _, _, fresh = prefill(w, cfg, text, jnp.array([15]), init_cache(cfg, 1, 64))
+    assert after.lengths.tolist() == fresh.lengths.tolist() == [15]
+    np.testing.assert_allclose(np.asarray(after.state), np.asarray(fresh.state), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(after.conv), np.asarray(fresh.conv), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(after.k[:, :, :, :15]), np.asarray(fresh.k[:, :, :, :15]), atol=1e-5)
+    next_after, _ = decode_step(w, cfg, jnp.asarray([g3]), after, jnp.ones(1, bool))
+    next_fresh, _ = decode_step(w, cfg, jnp.asarray([g3]), fresh, jnp.ones(1, bool))
+    np.testing.assert_allclose(np.asarray(next_after), np.asarray(next_fresh), atol=1e-4)
+    # the state moved: a commit that ignored the round would not pass the checks above
+    assert not np.allclose(np.asarray(after.state), np.asarray(cache.state), atol=1e-3)
