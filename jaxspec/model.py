@@ -654,6 +654,27 @@ def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jn
         k_norm=ones(num_layers, h) if cfg.qk_norm else None,
         post_attn_norm=ones(num_layers, d) if cfg.sandwich_norms else None,
         post_mlp_norm=ones(num_layers, d) if cfg.sandwich_norms else None,
+        wq_gate=normal(num_layers, d, hq, h) if cfg.attention_output_gate else None,
     )
+    if cfg.is_hybrid:  # one LayerWeights per layer: a linear-attention layer's own weights replace attention's
+        c, hv, dv, kernel = (cfg.linear_conv_channels, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                             cfg.linear_conv_kernel)
+        lin = iter(jax.random.split(next(keys), 6 * num_layers))
+
+        def lin_normal(*shape):
+            return (scale * jax.random.normal(next(lin), shape)).astype(dtype)
+
+        per_layer = []
+        for i in range(num_layers):
+            layer = jax.tree.map(lambda w, i=i: w[i], layers)
+            if cfg.linear_layers[i]:
+                layer = dataclasses.replace(
+                    layer, wq=None, wk=None, wv=None, wo=None, q_norm=None, k_norm=None, wq_gate=None,
+                    lin_qkv=lin_normal(d, c), lin_z=lin_normal(d, hv, dv), lin_b=lin_normal(d, hv),
+                    lin_a=lin_normal(d, hv), lin_conv=(lin_normal(c, kernel) / scale * 0.3).astype(dtype),
+                    lin_dt_bias=jnp.ones((hv,), dtype), lin_a_log=jnp.zeros((hv,), dtype), lin_norm=ones(dv),
+                    lin_out=lin_normal(hv, dv, d))
+            per_layer.append(layer)
+        layers = tuple(per_layer)
     return Weights(embed=normal(cfg.vocab_size, d), layers=layers, final_norm=ones(d),
                    lm_head=None if cfg.tie_word_embeddings else normal(d, cfg.vocab_size))

@@ -1,0 +1,75 @@
+"""What verifying T tokens costs on a hybrid model (Qwen3.5's 3 Gated DeltaNet layers to 1 attention layer) and on
+the same model with attention in every layer: `python benchmarks/bench_hybrid.py`.
+
+Random weights of one mid-sized shape (d=1024, 16 layers, vocabulary 32000; about 200M parameters), float32, batch
+1. For each model and committed context (64 and 1024 tokens), T = 1, 4, 16, 64 new tokens in one forward under a
+causal mask (a chain; a tree of T nodes costs the same here: the ancestor mask replaces the causal one), 10
+forwards in one jitted loop, best of 3; printed in ms and as a multiple of one decoding step (T=1). This says how
+the linear-attention layers change the cost side of speculation: their work per token does not grow with the
+context, but their tree form grows as T^2 per head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import init_cache
+from jaxspec.config import FULL, LINEAR, ModelConfig
+from jaxspec.model import causal_mask, forward, init_weights, unstack_layers
+
+LAYERS = 16
+HYBRID = ModelConfig(
+    architecture="qwen3_5", vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_layers=LAYERS,
+    num_heads=8, num_kv_heads=2, head_dim=128, qk_norm=True, rope_theta=1e7, partial_rotary_factor=0.25,
+    attention_output_gate=True, layer_types=tuple(LINEAR if (i + 1) % 4 else FULL for i in range(LAYERS)),
+    linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+    linear_conv_kernel=4,
+)
+ATTENTION = dataclasses.replace(HYBRID, layer_types=(FULL,) * LAYERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,4,16,64")
+    parser.add_argument("--contexts", default="64,1024")
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    print(f"{'model':>10} {'context':>8} {'T':>4} {'ms/forward':>11} {'x one step':>11}")
+    for name, cfg in (("hybrid", HYBRID), ("attention", ATTENTION)):
+        weights = init_weights(cfg, jax.random.key(0))
+        weights = weights if cfg.is_hybrid else unstack_layers(weights)  # both as per-layer buffers
+
+        def run(weights, n, t, context, cfg=cfg):  # n forwards of t new tokens after `context` committed ones
+            cache = dataclasses.replace(init_cache(cfg, 1, context + 128), lengths=jnp.array([context], jnp.int32))
+
+            def body(_, carry):
+                cache, token = carry
+                tokens = token[:, None] + jnp.arange(t)  # [1, t]
+                out = forward(weights, cfg, tokens, cache.lengths[:, None] + jnp.arange(t), cache, causal_mask(1, t))
+                return out.cache, jnp.argmax(out.logits[:, -1], -1).astype(jnp.int32)
+
+            return jax.lax.fori_loop(0, n, body, (cache, jnp.array([5], jnp.int32)))[1]
+
+        step = jax.jit(run, static_argnums=(1, 2, 3))
+        for context in (int(x) for x in args.contexts.split(",")):
+            base = None
+            for t in sizes:
+                step(weights, 10, t, context).block_until_ready()
+                best = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    step(weights, 10, t, context).block_until_ready()
+                    best = min(best, (time.perf_counter() - start) / 10)
+                base = best if base is None else base
+                print(f"{name:>10} {context:>8} {t:>4} {best * 1e3:>11.2f} {best / base:>10.2f}x", flush=True)
+        del weights
+        jax.clear_caches()
+
+
+if __name__ == "__main__":
+    main()
