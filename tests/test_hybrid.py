@@ -2,6 +2,7 @@
 by hand: a tree whose accepted path runs through a second sibling and stops mid-tree. After the commit, the
 recurrent and conv states (and the next logits) equal a fresh prefill of the committed text."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from conftest import fixture_path
@@ -53,3 +54,38 @@ def test_a_round_that_rejects_mid_tree_leaves_the_state_of_a_fresh_prefill():
     np.testing.assert_allclose(np.asarray(next_after), np.asarray(next_fresh), atol=1e-4)
     # the state moved: a commit that ignored the round would not pass the checks above
     assert not np.allclose(np.asarray(after.state), np.asarray(cache.state), atol=1e-3)
+
+
+def test_sampling_through_a_hybrid_target_keeps_its_distribution():
+    """At T > 0 with temperature, top-k and top-p, trees whose siblings take different recurrent states (a
+    draft-model tree of top-2 siblings and EAGLE-3's dynamic tree, drafting for a tiny random hybrid target over a
+    vocabulary of 8) emit the target's own distribution of the first 3 tokens, enumerated exactly (chi-square, as
+    tests/test_sampled_loop.py does for attention targets)."""
+    from unittest import mock
+
+    import test_sampled_loop as sampled
+
+    from jaxspec.config import FULL, LINEAR, ModelConfig
+    from jaxspec.drafters import DraftModelDrafter
+    from jaxspec.drafters.eagle import Eagle3Config
+    from jaxspec.model import init_weights
+    from jaxspec.speculative import speculative_generate
+
+    hybrid = ModelConfig(architecture="qwen3_5", vocab_size=sampled.V, hidden_size=32, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, partial_rotary_factor=0.5,
+                         attention_output_gate=True, layer_types=(LINEAR, FULL), linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel=4,
+                         max_position_embeddings=64)
+    target = init_weights(hybrid, jax.random.key(21), scale=0.5)
+    counts = np.arange(sampled.V)[::-1].copy()
+    eagle = Eagle3Config(feature_layers=(0, 1), draft_vocab_size=6, depth=3, top_k=2, num_nodes=5, init_scale=0.5)
+    cases = [(DraftModelDrafter(depth=2, tree_width=2, draft_cfg=sampled.CFG), sampled.DRAFT),  # an attention draft
+             (eagle.for_target(hybrid).make_drafter(), eagle.init_params(hybrid, target, jax.random.key(3), counts))]
+    with mock.patch.multiple(sampled, CFG=hybrid, TARGET=target):  # the enumeration, on the hybrid target
+        expected = sampled._target_distribution.__wrapped__(sampled.SAMPLING)
+    assert max(expected.values()) < 0.5 and sum(p > 0.01 for p in expected.values()) >= 10  # it hesitates
+    for drafter, params in cases:
+        rows = speculative_generate(target, hybrid, drafter, params, [list(sampled.PROMPT)] * sampled.ROWS,
+                                    max_new_tokens=sampled.NEW, sampling=sampled.SAMPLING, seed=2,
+                                    eos_ids=()).token_ids
+        assert sampled._p_value(rows, expected) > 1e-3, type(drafter).__name__
