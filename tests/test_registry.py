@@ -6,6 +6,7 @@ Gemma 3, a Qwen3-MoE and a hybrid Qwen3.5 target (which refuses the pipeline met
 
 import dataclasses
 
+import jax
 import pytest
 from conftest import fixture_path
 
@@ -84,7 +85,8 @@ def target(request):
     from jaxspec import load_model
 
     name = request.param
-    return name, load_model(fixture_path(f"tiny-{name}")), np.load(fixture_path(f"tiny_{name}_reference.npz"))
+    yield name, load_model(fixture_path(f"tiny-{name}")), np.load(fixture_path(f"tiny_{name}_reference.npz"))
+    jax.clear_caches()  # a dozen loops per target: release their programs' memory maps (see conftest.py)
 
 
 @pytest.mark.parametrize("name", [n for n in METHOD_SPECS if n != "autoregressive"])
