@@ -104,6 +104,53 @@ def tree_gated_delta(q, k, v, g, beta, state, ancestors):
     return out, PendingDelta(k=k, u=u, log_decay=log_decay, window=None)
 
 
+CHUNK = 64  # tokens per chunk of a long chain (a prefill): its work and memory grow as CHUNK^2, not T^2
+
+
+def chain_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array):
+    """`tree_conv` for a chain (each token's ancestors are the tokens before it): windows by shifting.
+    x: [B, T, C]; conv_state: [B, K-1, C]; weight: [C, K]. Returns (y [B, T, C] float32, window [B, T, K, C])."""
+    kernel, t = weight.shape[1], x.shape[1]
+    inputs = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, K-1+T, C]
+    window = jnp.stack([inputs[:, j:j + t] for j in range(kernel)], axis=2)  # [B, T, K, C], oldest first
+    y = jnp.einsum("btkc,ck->btc", window.astype(jnp.float32), weight.astype(jnp.float32))
+    return jax.nn.silu(y), window
+
+
+def chain_gated_delta(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """`tree_gated_delta` for a chain of T tokens, in chunks of `chunk`: each chunk in the single-chunk form from the
+    state after the chunks before it (carried by `state_after`). The same outputs and stash (its G summed from the
+    first token, so the commit is unchanged); work and memory grow as T * chunk instead of T^2 per head."""
+    b, t, h = g.shape
+    if t <= chunk:
+        return tree_gated_delta(q, k, v, g, beta, state, jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)),
+                                                                           (b, t, t)))
+    n = -(-t // chunk)
+    pad = n * chunk - t  # padded tokens come last, with beta 0 and g 0: they change nothing before them
+
+    def split(a):  # [B, T, ...] -> [n, B, chunk, ...]
+        a = jnp.pad(a.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)
+
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), (b, chunk, chunk))
+    path = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+    full = jnp.full((b,), chunk, jnp.int32)
+
+    def step(carry, inputs):
+        s, offset = carry  # [B, H, Dk, Dv], [B, H]: the state and the summed log decay before this chunk
+        out, pending = tree_gated_delta(*inputs, s, causal)
+        s = state_after(s, pending, path, full)
+        return (s, offset + pending.log_decay[:, -1]), (out, pending.k, pending.u, pending.log_decay + offset[:, None])
+
+    _, (out, ks, us, decays) = jax.lax.scan(step, (state.astype(jnp.float32), jnp.zeros((b, h), jnp.float32)),
+                                            tuple(split(a) for a in (q, k, v, g, beta)))
+
+    def join(a):  # [n, B, chunk, ...] -> [B, T, ...]
+        return jnp.moveaxis(a, 0, 1).reshape(b, n * chunk, *a.shape[3:])[:, :t]
+
+    return join(out), PendingDelta(k=join(ks), u=join(us), log_decay=join(decays), window=None)
+
+
 def state_after(state: jax.Array, pending: PendingDelta, path: jax.Array, count: jax.Array) -> jax.Array:
     """The recurrent state after the last of the first `count` nodes of `path` (a chain of nodes from the root).
 

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache, commit_recurrent, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, causal_mask, execution_weights, lm_head
+from jaxspec.model import Weights, execution_weights, lm_head
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 from jaxspec.sharding import forward_on_mesh, place_inputs, to_host
 
@@ -51,7 +51,7 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
     """
     b, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, causal_mask(b, p), compute_logits=False,
+    out = forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, None, compute_logits=False,  # causal
                           read_cache=False, **forward_kwargs)
     last_hidden = jnp.take_along_axis(out.last_hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # [B, 1, d]
     last = lm_head(weights, cfg, last_hidden)[:, 0]  # [B, V]: the LM head only where it is needed

@@ -21,7 +21,14 @@ import numpy as np
 
 from jaxspec.cache import KVCache, write_new_entries
 from jaxspec.config import ModelConfig, RopeScaling
-from jaxspec.gated_delta import PendingDelta, l2_normalize, tree_conv, tree_gated_delta
+from jaxspec.gated_delta import (
+    PendingDelta,
+    chain_conv,
+    chain_gated_delta,
+    l2_normalize,
+    tree_conv,
+    tree_gated_delta,
+)
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -312,13 +319,13 @@ def _mlp_block(cfg: ModelConfig, x: jax.Array, lw: LayerWeights, model_axis=None
     return x + out
 
 
-def _linear_layer(cfg: ModelConfig, x, lw: LayerWeights, conv_state, state, ancestors):
+def _linear_layer(cfg: ModelConfig, x, lw: LayerWeights, conv_state, state, ancestors, chain: bool = False):
     """One linear-attention layer of a hybrid model (Qwen3.5's Gated DeltaNet), then its MLP.
 
     x: [B, T, d]; conv_state: [B, K-1, C] the layer's last committed conv inputs; state: [B, H, Dk, Dv] float32 its
-    committed recurrent state; ancestors: bool[B, T, T] ancestor-or-self mask of the new tokens (causal for a chain).
-    Every new token reads the state along its own path and nothing is written: returns (x_out [B, T, d],
-    PendingDelta for the commit).
+    committed recurrent state; ancestors: bool[B, T, T] ancestor-or-self mask of the new tokens; chain: the tokens
+    are a chain (ancestors is causal), run in chunks (a long prefill). Every new token reads the state along its
+    own path and nothing is written: returns (x_out [B, T, d], PendingDelta for the commit).
     """
     b, t, _ = x.shape
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
@@ -329,25 +336,32 @@ def _linear_layer(cfg: ModelConfig, x, lw: LayerWeights, conv_state, state, ance
     beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", hx, lw.lin_b).astype(jnp.float32))  # [B, T, H]
     a = jnp.einsum("btd,dh->bth", hx, lw.lin_a).astype(jnp.float32)
     g = -jnp.exp(lw.lin_a_log.astype(jnp.float32)) * jax.nn.softplus(a + lw.lin_dt_bias.astype(jnp.float32))
-    conv, window = tree_conv(mixed, conv_state, lw.lin_conv, ancestors)  # [B, T, C] float32
+    if chain:
+        conv, window = chain_conv(mixed, conv_state, lw.lin_conv)  # [B, T, C] float32
+    else:
+        conv, window = tree_conv(mixed, conv_state, lw.lin_conv, ancestors)
     q = conv[..., :hk * dk].reshape(b, t, hk, dk)
     k = conv[..., hk * dk:2 * hk * dk].reshape(b, t, hk, dk)
     v = conv[..., 2 * hk * dk:].reshape(b, t, hv, dv)
     # each key head serves hv / hk consecutive value heads
     q = jnp.repeat(l2_normalize(q), hv // hk, axis=2) * dk ** -0.5  # [B, T, H, Dk]
     k = jnp.repeat(l2_normalize(k), hv // hk, axis=2)
-    out, pending = tree_gated_delta(q, k, v, g, beta, state, ancestors)  # [B, T, H, Dv] float32
+    if chain:
+        out, pending = chain_gated_delta(q, k, v, g, beta, state)  # [B, T, H, Dv] float32
+    else:
+        out, pending = tree_gated_delta(q, k, v, g, beta, state, ancestors)
     out = rms_norm(out, lw.lin_norm, cfg.rms_norm_eps) * jax.nn.silu(gate.astype(jnp.float32))
     x = x + jnp.einsum("bthv,hvd->btd", out.astype(x.dtype), lw.lin_out)
     return _mlp_block(cfg, x, lw), dataclasses.replace(pending, window=window)
 
 
 def run_hybrid_layers(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, positions, cache: KVCache | None,
-                      mask, *, keep_hidden: bool = False):
+                      mask, *, keep_hidden: bool = False, chain: bool = False):
     """The layers of a hybrid model (attention and linear attention, one buffer each), without touching the cache.
 
     layers: a tuple of every layer's LayerWeights; x: [B, T, d]; positions: int32[B, T]; cache: the committed
-    context (None: none, as for a prefill); mask: bool[B, T, T] or None (one token).
+    context (None: none, as for a prefill); mask: bool[B, T, T] or None (one token); chain: the new tokens are a
+    chain (the mask is causal): the linear-attention layers run it in chunks.
     Returns (x [B, T, d], new_k [La, B, Hkv, T, h], new_v for the La attention layers, hidden [L, B, T, d] or None,
     PendingDelta stacked over the linear-attention layers).
     """
@@ -365,7 +379,7 @@ def run_hybrid_layers(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, pos
                                    cfg.linear_value_head_dim), jnp.float32)
             else:
                 conv, state = cache.conv[j], cache.state[j]
-            x, p = _linear_layer(cfg, x, lw, conv, state, ancestors)
+            x, p = _linear_layer(cfg, x, lw, conv, state, ancestors, chain)
             pending.append(p)
         else:
             j = len(new_k)
@@ -565,7 +579,8 @@ def forward(
         cache: committed context; the new tokens attend to its slots [0, lengths[b]) and their keys and
             values are written at [lengths[b], lengths[b] + T) for the layers run. None: no context.
         mask: bool[B, T, T], which new tokens each new token sees (causal for prefill and decode, a tree's
-            ancestor mask for verification). Default: causal.
+            ancestor mask for verification). Default (None): causal, and a hybrid model's linear-attention layers
+            then run the tokens as a chain, in chunks (`jaxspec.gated_delta.chain_gated_delta`).
         hidden_layers: indices i of the layers whose output (residual stream after layer i) to return.
             They must lie in the range run.
         layer_range: (start, end) to run only layers [start, end); default all.
@@ -594,6 +609,7 @@ def forward(
             raise ValueError("hidden_in is required when the layer range starts after layer 0.")
         x = hidden_in
     b, t = positions.shape
+    chain = mask is None  # the default mask: the new tokens form a chain
     if mask is None and t > 1:
         mask = causal_mask(b, t)
     layers = select_layers(weights.layers, start, end)
@@ -605,7 +621,7 @@ def forward(
             raise ValueError("A hybrid model runs all its layers at once, on one device, from per-layer weights.")
         x, new_k, new_v, all_hidden, pending = run_hybrid_layers(
             cfg, layers, x, positions, cache if cache is not None and read_cache else None, mask,
-            keep_hidden=keep_hidden)
+            keep_hidden=keep_hidden, chain=chain)
     else:
         if cache is not None and read_cache:
             cache_lengths = cache.lengths

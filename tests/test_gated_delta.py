@@ -94,3 +94,28 @@ def test_every_tree_node_sees_only_its_own_path():
         expected = jax.nn.silu(np.einsum("bkc,ck->bc", inputs, np.asarray(weight)))
         np.testing.assert_allclose(np.asarray(y[:, node]), np.asarray(expected), atol=1e-5)
         np.testing.assert_array_equal(np.asarray(conv_state_after(conv_state, pending, padded, count)), inputs[:, 1:])
+
+
+def test_a_long_chain_in_chunks_equals_the_recurrence():
+    """150 tokens in chunks of 64 (the last one padded): the outputs, and the state after any prefix from the
+    stash, equal the token-by-token recurrence; the conv by shifting equals the tree conv on a causal mask."""
+    from jaxspec.gated_delta import chain_conv, chain_gated_delta
+
+    t = 150
+    q, k, v, g, beta, state = _inputs(t, 3)
+    out, pending = chain_gated_delta(q, k, v, g, beta, state, chunk=64)
+    ref, final = sequential_gated_delta(q, k, v, g, beta, state)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4)
+    path = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+    for count in (t, 100, 64, 1):
+        _, expected = sequential_gated_delta(q[:, :count], k[:, :count], v[:, :count], g[:, :count],
+                                             beta[:, :count], state)
+        np.testing.assert_allclose(np.asarray(state_after(state, pending, path, jnp.full((B,), count))),
+                                   np.asarray(expected), atol=1e-4, err_msg=str(count))
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(B, 9, C)), jnp.float32)
+    conv_state = jnp.asarray(rng.normal(size=(B, K - 1, C)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(C, K)), jnp.float32)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((9, 9), bool)), (B, 9, 9))
+    for a, b in zip(chain_conv(x, conv_state, weight), tree_conv(x, conv_state, weight, causal)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -89,3 +89,23 @@ def test_sampling_through_a_hybrid_target_keeps_its_distribution():
                                     max_new_tokens=sampled.NEW, sampling=sampled.SAMPLING, seed=2,
                                     eos_ids=()).token_ids
         assert sampled._p_value(rows, expected) > 1e-3, type(drafter).__name__
+
+
+def test_a_long_prefill_runs_in_chunks_and_equals_decoding_token_by_token():
+    """A 100-token prompt (two chunks of 64 in the linear-attention layers) gives the logits of the single-chunk
+    tree form, and leaves the states that feeding the same tokens one at a time leaves."""
+    from jaxspec.model import causal_mask, forward
+
+    model = load_model(fixture_path("tiny-qwen3_5"), with_tokenizer=False)
+    cfg, w = model.config, model.weights
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 100)), jnp.int32)
+    positions = jnp.arange(100)[None]
+    chunked = forward(w, cfg, ids, positions).logits
+    whole = forward(w, cfg, ids, positions, mask=causal_mask(1, 100)).logits  # an explicit mask: the tree form
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=1e-4)
+    _, _, prefilled = prefill(w, cfg, ids, jnp.array([100]), init_cache(cfg, 1, 128))
+    stepped = init_cache(cfg, 1, 128)
+    for i in range(100):
+        _, stepped = decode_step(w, cfg, ids[:, i], stepped, jnp.ones(1, bool))
+    np.testing.assert_allclose(np.asarray(prefilled.state), np.asarray(stepped.state), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(prefilled.conv), np.asarray(stepped.conv), atol=1e-5)  # layer 1 reads layer 0
