@@ -37,6 +37,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,4,16,64")
     parser.add_argument("--contexts", default="64,1024")
+    parser.add_argument("--mask", choices=("tree", "chain"), default="tree",
+                        help="tree: an explicit (causal) ancestor mask, the verification path; chain: the default "
+                             "mask, the prefill path (linear-attention layers in chunks)")
     args = parser.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     print(f"{'model':>10} {'context':>8} {'T':>4} {'ms/forward':>11} {'x one step':>11}")
@@ -50,7 +53,8 @@ def main() -> None:
             def body(_, carry):
                 cache, token = carry
                 tokens = token[:, None] + jnp.arange(t)  # [1, t]
-                out = forward(weights, cfg, tokens, cache.lengths[:, None] + jnp.arange(t), cache, causal_mask(1, t))
+                mask = causal_mask(1, t) if args.mask == "tree" else None
+                out = forward(weights, cfg, tokens, cache.lengths[:, None] + jnp.arange(t), cache, mask)
                 return out.cache, jnp.argmax(out.logits[:, -1], -1).astype(jnp.int32)
 
             return jax.lax.fori_loop(0, n, body, (cache, jnp.array([5], jnp.int32)))[1]
