@@ -52,11 +52,16 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
     shape = (num_layers, batch_size, cfg.num_kv_heads, max_length, cfg.head_dim)
     conv = state = None
     if linear:
-        conv = jnp.zeros((linear, batch_size, cfg.linear_conv_kernel - 1, cfg.linear_conv_channels), dtype)
-        state = jnp.zeros((linear, batch_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                           cfg.linear_value_head_dim), jnp.float32)
+        conv, state = (jnp.broadcast_to(a, (linear, *a.shape)) for a in empty_linear_state(cfg, batch_size, dtype))
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch_size,), jnp.int32),
                    conv=conv, state=state)
+
+
+def empty_linear_state(cfg: ModelConfig, batch_size: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """One linear-attention layer's states before any token: conv [B, K-1, C] and recurrent [B, H, Dk, Dv] float32."""
+    return (jnp.zeros((batch_size, cfg.linear_conv_kernel - 1, cfg.linear_conv_channels), dtype),
+            jnp.zeros((batch_size, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                      jnp.float32))
 
 
 def _row_slots(lengths: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -49,11 +49,6 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def node_depths(ancestors: jax.Array) -> jax.Array:
-    """int32[B, T]: each node's depth below the committed text (0 for the root) from the ancestor-or-self mask."""
-    return jnp.sum(ancestors, axis=-1).astype(jnp.int32) - 1
-
-
 def tree_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, ancestors: jax.Array):
     """The depthwise causal convolution (then SiLU) of every node over its own path.
 
@@ -62,7 +57,7 @@ def tree_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, ancestors:
     Returns (y [B, T, C] float32, window [B, T, K, C]: each node's inputs, oldest first).
     """
     kernel = weight.shape[1]
-    depth = node_depths(ancestors)  # [B, T]
+    depth = jnp.sum(ancestors, axis=-1, dtype=jnp.int32) - 1  # [B, T]: 0 for the root (as in verify_forward)
     lags = jnp.arange(kernel - 1, -1, -1)  # [K]: oldest input first
     wanted = depth[:, :, None] - lags[None, None, :]  # [B, T, K]: the depth each window slot comes from
     # the node at that depth on this node's path (a one-hot over the T nodes; none when the depth is above the root)

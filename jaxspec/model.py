@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import KVCache, write_new_entries
+from jaxspec.cache import KVCache, empty_linear_state, write_new_entries
 from jaxspec.config import ModelConfig, RopeScaling
 from jaxspec.gated_delta import (
     PendingDelta,
@@ -373,12 +373,7 @@ def run_hybrid_layers(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, pos
     for i, lw in enumerate(layers):
         if cfg.linear_layers[i]:
             j = len(pending)
-            if cache is None:
-                conv = jnp.zeros((b, cfg.linear_conv_kernel - 1, cfg.linear_conv_channels), x.dtype)
-                state = jnp.zeros((b, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                   cfg.linear_value_head_dim), jnp.float32)
-            else:
-                conv, state = cache.conv[j], cache.state[j]
+            conv, state = empty_linear_state(cfg, b, x.dtype) if cache is None else (cache.conv[j], cache.state[j])
             x, p = _linear_layer(cfg, x, lw, conv, state, ancestors, chain)
             pending.append(p)
         else:
@@ -677,8 +672,8 @@ def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jn
                              cfg.linear_conv_kernel)
         lin = iter(jax.random.split(next(keys), 6 * num_layers))
 
-        def lin_normal(*shape):
-            return (scale * jax.random.normal(next(lin), shape)).astype(dtype)
+        def lin_normal(*shape, std=scale):
+            return (std * jax.random.normal(next(lin), shape)).astype(dtype)
 
         per_layer = []
         for i in range(num_layers):
@@ -687,7 +682,7 @@ def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jn
                 layer = dataclasses.replace(
                     layer, wq=None, wk=None, wv=None, wo=None, q_norm=None, k_norm=None, wq_gate=None,
                     lin_qkv=lin_normal(d, c), lin_z=lin_normal(d, hv, dv), lin_b=lin_normal(d, hv),
-                    lin_a=lin_normal(d, hv), lin_conv=(lin_normal(c, kernel) / scale * 0.3).astype(dtype),
+                    lin_a=lin_normal(d, hv), lin_conv=lin_normal(c, kernel, std=0.3),
                     lin_dt_bias=jnp.ones((hv,), dtype), lin_a_log=jnp.zeros((hv,), dtype), lin_norm=ones(dv),
                     lin_out=lin_normal(hv, dv, d))
             per_layer.append(layer)

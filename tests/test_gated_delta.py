@@ -13,6 +13,7 @@ from jaxspec.gated_delta import (
     tree_conv,
     tree_gated_delta,
 )
+from jaxspec.tree import ancestor_mask
 
 B, H, DK, DV, C, K = 2, 3, 4, 5, 6, 4
 
@@ -28,23 +29,13 @@ def _inputs(t, seed):
     return q, k, v, g, beta, state
 
 
-def _ancestors(parents):
-    """bool[T, T] ancestor-or-self from parent indices (-1: the root hangs off the committed text)."""
-    t = len(parents)
-    m = np.eye(t, dtype=bool)
-    for i, p in enumerate(parents):
-        while p >= 0:
-            m[i, p] = True
-            p = parents[p]
-    return m
-
-
 def _path(parents, node):
+    """Verification indices from the root (0) to `node`; parents are the drafted nodes' (node j is index j + 1)."""
     path = []
-    while node >= 0:
+    while node > 0:
         path.append(node)
-        node = parents[node]
-    return path[::-1]
+        node = parents[node - 1] + 1
+    return [0] + path[::-1]
 
 
 def test_a_chain_equals_the_recurrence_and_its_final_state():
@@ -69,10 +60,10 @@ def test_every_tree_node_sees_only_its_own_path():
     """A tree whose siblings branch at several depths (and a padded node that is nobody's ancestor): each node's
     output equals the recurrence along its root-to-node path, the state after any node equals the recurrence's final
     state there, and each node's conv window is its own path's last K inputs."""
-    parents = [-1, 0, 0, 1, 1, 2, 3, -1]  # node 7: padding (a second root, nobody's ancestor)
-    t = len(parents)
+    parents = [-1, -1, 0, 0, 1, 2, -1]  # drafted nodes; the last one a padding leaf under the root
+    t = len(parents) + 1  # with the root
     q, k, v, g, beta, state = _inputs(t, 1)
-    anc = jnp.asarray(np.broadcast_to(_ancestors(parents), (B, t, t)))
+    anc = ancestor_mask(jnp.asarray(np.broadcast_to(parents, (B, len(parents))), jnp.int32))  # [B, T, T]
     out, pending = tree_gated_delta(q, k, v, g, beta, state, anc)
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(B, t, C)), jnp.float32)
