@@ -28,7 +28,8 @@ def chain_acceptance(method, target, dataset, indices, depth: int) -> tuple[np.n
     for r, x in enumerate(rows):
         tokens[r, : len(x)] = x
     ranks = draft_ranks(method.params, target.weights, target.config, method.drafter.target_layers, tokens,
-                        np.array([len(x) for x in rows]), dataset.prompt_lengths[list(indices)], depth)  # [P, depth]
+                        np.array([len(x) for x in rows]), dataset.prompt_lengths[list(indices)], depth,
+                        head_cfg=method.drafter.head_config(target.config))  # [P, depth]
     hits = np.cumprod(ranks == 0, axis=1)  # [P, depth]
     return hits.mean(0), float((1 + hits.sum(1)).mean()), len(ranks)
 

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the folder to write")
     export.add_argument("--format", choices=("jaxspec", "hf"), default="jaxspec",
                         help="jaxspec: the same checkpoint with its matrices in --dtype; hf: EAGLE-3 in the public "
-                             "Hugging Face layout (config.json + model.safetensors, d2t/t2d)")
+                             "Hugging Face layout (config.json + model.safetensors, d2t/t2d), Medusa in the Medusa "
+                             "repository's (config.json + medusa_lm_head.safetensors)")
     export.add_argument("--storage-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                         help="dtype of the written matrices (norms and token ids keep theirs)")
     add_model_args(export)
@@ -259,20 +260,30 @@ def cmd_export(args) -> None:
     if args.format == "jaxspec":
         out = convert_drafter_dtype(args.drafter, args.out, args.storage_dtype)
     else:
-        from jaxspec.drafters.eagle_hf import export_eagle3_hf
         from jaxspec.loading import load_model
         from jaxspec.methods import _method_config
 
         meta = read_drafter_meta(args.drafter)
-        if meta["method"] != "eagle3":
-            raise UserError(f"--format hf writes EAGLE-3 drafters; {args.drafter} is a '{meta['method']}' drafter.")
+        method = meta["method"]
+        if method not in ("eagle3", "medusa"):
+            raise UserError(f"--format hf writes EAGLE-3 and Medusa drafters; {args.drafter} is a '{method}' "
+                            "drafter.")
         target = load_model(args.model, dtype=dtype_from_name(args.dtype), with_tokenizer=False)
-        cfg = _method_config("eagle3", meta["config"]).for_target(target.config)
-        _, params = load_drafter(args.drafter, expected_method="eagle3", target_fingerprint=target.fingerprint(),
-                                 target_source=target.source, abstract_params=cfg.init_params(target.config,
-                                                                                              target.weights))
-        out = export_eagle3_hf(args.out, params, cfg, target.config, dtype=args.storage_dtype,
-                               target_fingerprint=target.fingerprint(), target_source=target.source)
+        cfg = _method_config(method, meta["config"])
+        cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg
+        _, params = load_drafter(args.drafter, expected_method=method, target_fingerprint=target.fingerprint(),
+                                 target_source=target.source,
+                                 abstract_params=cfg.init_params(target.config, target.weights))
+        if method == "medusa":
+            from jaxspec.drafters.medusa_hf import export_medusa_hf
+
+            out = export_medusa_hf(args.out, params, target.weights, dtype=args.storage_dtype,
+                                   base_model=target.source)
+        else:
+            from jaxspec.drafters.eagle_hf import export_eagle3_hf
+
+            out = export_eagle3_hf(args.out, params, cfg, target.config, dtype=args.storage_dtype,
+                                   target_fingerprint=target.fingerprint(), target_source=target.source)
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
     print(f"Wrote {out} ({size / 1e6:.1f} MB)")
 

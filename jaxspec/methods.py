@@ -442,6 +442,12 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
         drafter = cfg.make_drafter()
         drafter.check_compatible(params, target.config)
         return drafter, params
+    if spec.checkpoint == "medusa" and not os.path.isfile(os.path.join(path, DRAFTER_META_FILE)):
+        from jaxspec.drafters.medusa_hf import import_medusa_hf, is_medusa_folder
+
+        if is_medusa_folder(path):  # the Medusa repository's layout
+            params, cfg = import_medusa_hf(path, target.config, target.weights)
+            return cfg.make_drafter(), params
     meta = read_drafter_meta(path)
     cfg = _method_config(method, meta.get("config", {}))
     cfg = cfg.for_target(target.config) if hasattr(cfg, "for_target") else cfg
@@ -559,4 +565,5 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     for row, (p, a) in enumerate(zip(prompts, answers)):
         tokens[row, : lengths[row]] = p + a
     return draft_ranks(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
-                       np.array([len(p) for p in prompts]), CALIBRATION_DEPTH)
+                       np.array([len(p) for p in prompts]), CALIBRATION_DEPTH,
+                       head_cfg=drafter.head_config(target.config))

@@ -17,6 +17,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxspec.cache import init_cache
+from jaxspec.config import RopeScaling
+from jaxspec.drafters.base import RoundInputs
 from jaxspec.drafters.eagle import (
     Eagle3Config,
     absorb_pairs,
@@ -29,6 +31,7 @@ from jaxspec.drafters.eagle import (
 from jaxspec.drafters.eagle_hf import export_eagle3_hf, import_eagle3_hf, sort_draft_vocab
 from jaxspec.errors import UserError
 from jaxspec.model import forward, rope_inverse_frequencies
+from jaxspec.sampling import SamplingConfig
 from jaxspec.speculative import speculative_generate
 
 # The tiny Llama-3: d 64, 4 query heads and 2 KV heads of width 16, FFN 128, 3 layers, vocabulary 256; the head
@@ -178,6 +181,8 @@ def _reference_logits(t, config, emb, aux, inv_freq):
     def lin(x, name):
         return x @ t[name].T
 
+    if "fc_norm.0.weight" in t:  # SpecForge's project_hidden_states: a norm on each fused layer's chunk, then fc
+        aux = np.concatenate([_rms(c, t[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(np.split(aux, 3, -1))], -1)
     h = lin(aux, "fc.weight")
     residual = h
     x = np.concatenate([_rms(emb, t["midlayer.input_layernorm.weight"], eps),
@@ -271,8 +276,13 @@ REFUSALS = {
     "q_proj of other heads": (lambda c, t: t.update({Q: t[Q][:32]}), "q_proj.weight \\(32, 128\\)"),
     "fc not a multiple of d": (lambda c, t: t.update({"fc.weight": t["fc.weight"][:, :150]}),
                                "fc.weight has shape \\(64, 150\\)"),
-    "wrong architecture": (lambda c, t: c.update(architectures=["LlamaForCausalLM"]),
-                           "not an EAGLE-3 Llama draft head"),
+    "not an EAGLE-3 head": (lambda c, t: t.pop("fc.weight"), "not an EAGLE-3 draft head: it has no fc.weight"),
+    "SpecForge's norm_output false": (lambda c, t: c.update(norm_output=False), "norm_output false"),
+    "fc_norm set without its tensors": (lambda c, t: c.update(fc_norm=True), "no fc_norm"),
+    "fc_norm tensors of the wrong count": (lambda c, t: t.update({"fc_norm.0.weight": np.ones(64, np.float32)}),
+                                           "expected fc_norm.0.weight, fc_norm.1.weight, fc_norm.2.weight"),
+    "RoPE scaling jaxspec cannot run": (lambda c, t: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}),
+                                        "RoPE scaling 'dynamic'"),
     "feature layer out of range": (lambda c, t: c.update(jaxspec={}, eagle_aux_hidden_state_layer_ids=[1, 2, 9],
                                                           eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 8]}),
                                    "target has layers 0..2"),
@@ -310,10 +320,11 @@ def test_public_checkpoints_without_our_section(tiny_llama3, tmp_path):
             c.pop(key)
 
     folder = _variant(tmp_path / "head", tmp_path / "public", sglang_style)
-    with pytest.warns(UserWarning, match="RoPE theta 10000"):
-        back, back_cfg = import_eagle3_hf(folder, model.config)
+    back, back_cfg = import_eagle3_hf(folder, model.config)
     _assert_params_equal(back, sort_draft_vocab(params))
-    assert back_cfg == Eagle3Config(feature_layers=(0, 1, 2), draft_vocab_size=128)  # the default tree
+    # the default tree, and the head's own RoPE: HF's default base 10000 without scaling (not the target's 500000)
+    assert back_cfg == Eagle3Config(feature_layers=(0, 1, 2), draft_vocab_size=128, rope_theta=10000.0,
+                                    rope_scaling=RopeScaling(), rms_norm_eps=1e-6)
 
     # no layer ids at all: the references' default taps (before layers 2, L//2, L-3) include the embedding here
     folder = _variant(folder, tmp_path / "no-ids", lambda c, t: c.pop("eagle_config"))
@@ -393,3 +404,162 @@ def test_export_cli_and_loading_both_formats_as_drafter(tiny_llama3, tmp_path, c
         results.append(result.accepted)
     assert results[0] == results[1]  # the same rounded head in both formats: the same drafts, the same acceptance
     assert main(["export", "--drafter", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- published layouts
+
+
+def _published_head(layout, folder, d=64, hq=4, hkv=2, hd=16, f=128, v=256, vd=96):
+    """A random EAGLE-3 head written the way one project publishes it (field names, dtypes, config keys), made here
+    from those projects' files and not by jaxspec's export:
+    - "eagle": SafeAILab/EAGLE's releases (eagle/traineagle3/config.json, `Model` in eagle/traineagle3/cnets.py):
+      architectures LlamaForCausalLM, no rope_theta or rope_scaling (cnets.py trains at base 10000), its
+      rms_norm_eps 1e-5, no layer ids (the default taps), float16, the embedding saved with the head.
+    - "specforge": SpecForge's training output (configs/qwen3-30B-A3B-eagle3.1.json, `LlamaForCausalLMEagle3` in
+      specforge/modeling/draft/llama3_eagle.py): LlamaForCausalLMEagle3, its own rope_theta, target_hidden_size,
+      fc_norm true with fc_norm.{0,1,2}.weight, norm_output true, bfloat16.
+    - "sglang": SpecForge's SGLang export (specforge/export/to_sglang.py, `apply_legacy_rope_scaling` in
+      specforge/export/checkpoint_io.py): transformers 5's rope_parameters mirrored into rope_theta and
+      rope_scaling (here linear scaling), no embedding, bfloat16.
+    Returns (config, float64 tensors, inverse RoPE frequencies [hd/2] the layout's trainer used)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng({"eagle": 1, "specforge": 2, "sglang": 3}[layout])
+
+    def normal(*shape, scale=0.15):
+        return rng.normal(0.0, scale, shape)
+
+    ids = np.sort(rng.choice(v, vd, replace=False))  # the draft vocabulary, by target id (EAGLE's scandata order)
+    tensors = {
+        "fc.weight": normal(d, 3 * d), "midlayer.input_layernorm.weight": 1 + normal(d, scale=0.3),
+        "midlayer.hidden_norm.weight": 1 + normal(d, scale=0.3),
+        "midlayer.self_attn.q_proj.weight": normal(hq * hd, 2 * d),
+        "midlayer.self_attn.k_proj.weight": normal(hkv * hd, 2 * d),
+        "midlayer.self_attn.v_proj.weight": normal(hkv * hd, 2 * d),
+        "midlayer.self_attn.o_proj.weight": normal(d, hq * hd),
+        "midlayer.post_attention_layernorm.weight": 1 + normal(d, scale=0.3),
+        "midlayer.mlp.gate_proj.weight": normal(f, d), "midlayer.mlp.up_proj.weight": normal(f, d),
+        "midlayer.mlp.down_proj.weight": normal(d, f), "norm.weight": 1 + normal(d, scale=0.3),
+        "lm_head.weight": normal(vd, d, scale=0.3),
+    }
+    config = {"hidden_act": "silu", "hidden_size": d, "intermediate_size": f, "model_type": "llama",
+              "num_attention_heads": hq, "num_key_value_heads": hkv, "num_hidden_layers": 1, "vocab_size": v,
+              "draft_vocab_size": vd, "tie_word_embeddings": False, "max_position_embeddings": 2048}
+    exponents = np.arange(0, hd, 2) / hd  # inv_freq = theta ** -(2i / hd)
+    if layout == "eagle":
+        config.update(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, torch_dtype="float16", pad_token_id=0,
+                      transformers_version="4.28.1", use_cache=True)
+        tensors["embed_tokens.weight"] = normal(v, d)
+        inv_freq, dtype = 10000.0 ** -exponents, np.float16
+    elif layout == "specforge":
+        config.update(architectures=["LlamaForCausalLMEagle3"], rms_norm_eps=1e-6, head_dim=hd, rope_theta=1e6,
+                      rope_scaling=None, target_hidden_size=d, fc_norm=True, norm_output=True,
+                      torch_dtype="bfloat16", transformers_version="4.53.2")
+        tensors.update({f"fc_norm.{i}.weight": 1 + normal(d, scale=0.3) for i in range(3)})
+        inv_freq, dtype = 1e6 ** -exponents, ml_dtypes.bfloat16
+    else:
+        rope = {"rope_theta": 20000.0, "rope_type": "linear", "factor": 2.0}
+        config.update(architectures=["LlamaForCausalLMEagle3"], rms_norm_eps=1e-6, head_dim=hd,
+                      rope_parameters=rope, rope_theta=20000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+                      dtype="bfloat16", transformers_version="5.0.0")
+        inv_freq, dtype = 20000.0 ** -exponents / 2.0, ml_dtypes.bfloat16  # linear: positions / factor
+    stored = {k: x.astype(dtype) for k, x in tensors.items()}
+    stored["d2t"] = ids - np.arange(vd)  # int64 offsets
+    stored["t2d"] = np.isin(np.arange(v), ids)  # bool[V]
+    os.makedirs(folder)
+    save_file(stored, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    return config, {k: np.asarray(x, np.float64) for k, x in stored.items()}, inv_freq
+
+
+@pytest.fixture(scope="module")
+def deep_target(tiny_llama3):
+    """The tiny Llama-3 with 8 random layers, so that the references' default taps (the stream before layers 2,
+    L//2 = 4 and L-3 = 5) are real layers: jaxspec's layers (1, 3, 4)."""
+    from jaxspec.model import init_weights
+
+    _, model, ref = tiny_llama3
+    cfg = dataclasses.replace(model.config, num_layers=8)
+    return cfg, init_weights(cfg, jax.random.key(11), scale=0.1), ref
+
+
+@pytest.mark.parametrize("layout", ["eagle", "specforge", "sglang"])
+def test_published_layouts_import_and_run_as_their_trainers_ran_them(deep_target, tmp_path, layout):
+    cfg_t, w, ref = deep_target
+    config, tensors, inv_freq = _published_head(layout, tmp_path / layout)
+    params, mcfg = import_eagle3_hf(tmp_path / layout, cfg_t)
+    assert mcfg.feature_layers == (1, 3, 4)
+    assert mcfg.feature_norm == (layout == "specforge") and (params.fc_norm is not None) == mcfg.feature_norm
+    drafter = mcfg.make_drafter()
+    head_cfg = drafter.head_config(cfg_t)
+    assert head_cfg.rms_norm_eps == config["rms_norm_eps"]
+
+    tokens = jnp.asarray([ref["input_ids"][1, :14].tolist()])
+    n = 13
+    out = forward(w, cfg_t, tokens[:, :n], jnp.arange(n)[None], hidden_layers=tuple(range(8)))
+    stream = [np.asarray(w.embed[tokens[0, :n]], np.float64)] + [np.asarray(x[0], np.float64) for x in out.hidden]
+    aux = np.concatenate([stream[k] for k in (2, 4, 5)], -1)  # the stream before layers 2, L//2, L-3
+    expected = _reference_logits(tensors, {"head_dim": 16, **config}, np.asarray(w.embed[tokens[0, 1:]]), aux,
+                                 inv_freq)
+
+    hidden = jnp.stack([out.hidden[i] for i in drafter.target_layers])  # [3, 1, n, d]
+
+    def ours(cfg):
+        h, _, _ = head_forward(params, cfg, w.embed, tokens[:, 1:], fuse_features(params, hidden, cfg.rms_norm_eps),
+                               jnp.arange(n)[None])
+        return np.asarray(to_target_logits(params, head_logits(params, cfg, h), 256))[0]
+
+    got = ours(head_cfg)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-4, atol=1e-4)
+    # the power of the check: with the target's RoPE and epsilon the same weights compute something else
+    assert np.abs(ours(cfg_t)[finite] - expected[finite]).max() > 1e-2
+
+    # the drafter's own round uses the head's settings: its first tree is draft_tree's under head_cfg
+    b, p = 1, 12
+    prompt = tokens[:, :p]
+    prefill = forward(w, cfg_t, prompt, jnp.arange(p)[None], hidden_layers=drafter.target_layers)
+    sampling = SamplingConfig()
+    state = drafter.init(params, cfg_t, prompt, jnp.array([p]), prefill, 32, sampling)
+    history = jnp.pad(jnp.concatenate([prompt, tokens[:, p: p + 1]], 1), ((0, 0), (0, 19)))  # root at index p
+    inputs = RoundInputs(target_weights=w, target_cache=init_cache(cfg_t, b, 32), history=history,
+                         lengths=jnp.array([p]), root=tokens[:, p])
+    tree, _, _ = drafter.propose(params, state, inputs, cfg_t, sampling, jax.random.key(0))
+    by_hand = []
+    for cfg in (head_cfg, cfg_t):
+        feats = jnp.pad(fuse_features(params, prefill.hidden, cfg.rms_norm_eps), ((0, 0), (0, 20), (0, 0)))
+        cache, h_root = absorb_pairs(params, cfg, w.embed, init_cache(cfg, b, 32, num_layers=1), feats, history,
+                                     jnp.array([p]))
+        by_hand.append(draft_tree(params, cfg, w.embed, cache, h_root, depth=drafter.depth, top_k=drafter.top_k,
+                                  num_nodes=drafter.num_nodes)[0])
+    np.testing.assert_array_equal(np.asarray(tree.tokens), np.asarray(by_hand[0].tokens))
+    np.testing.assert_array_equal(np.asarray(tree.parents), np.asarray(by_hand[0].parents))
+
+    # lossless whatever the head's RoPE
+    from jaxspec.generate import generate
+
+    prompts = [ref["input_ids"][0, :5].tolist(), ref["input_ids"][1, :17].tolist()]
+    expected_ids = generate(w, cfg_t, prompts, max_new_tokens=12, eos_ids=()).token_ids
+    assert speculative_generate(w, cfg_t, drafter, params, prompts, max_new_tokens=12, eos_ids=()).token_ids == \
+        expected_ids
+
+    # export then import: the same parameters, settings and config keys a consumer reads
+    if mcfg.feature_norm:
+        with pytest.warns(UserWarning, match="fc_norm"):
+            export_eagle3_hf(tmp_path / "again", params, mcfg, cfg_t, dtype="float32")
+    else:
+        export_eagle3_hf(tmp_path / "again", params, mcfg, cfg_t, dtype="float32")
+    back, back_cfg = import_eagle3_hf(tmp_path / "again", cfg_t)
+    _assert_params_equal(back, params)
+    assert back_cfg == mcfg
+    with open(tmp_path / "again/config.json") as fh:
+        written = json.load(fh)
+    assert written["rms_norm_eps"] == config["rms_norm_eps"] and written.get("fc_norm", False) == mcfg.feature_norm
+    assert written["rope_theta"] == {"eagle": 10000.0, "specforge": 1e6, "sglang": 20000.0}[layout]
+    if layout == "sglang":  # what EAGLE's own config validation accepts: exactly type and factor, a float > 1
+        assert written["rope_scaling"] == {"type": "linear", "factor": 2.0}
+    else:
+        assert written["rope_scaling"] is None
+

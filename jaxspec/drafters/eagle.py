@@ -88,7 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import KVCache, init_cache, write_new_entries
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, RopeScaling
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.errors import UserError
 from jaxspec.losses import decay_weights, gamma_weights, masked_mean, per_position_loss
@@ -152,6 +152,11 @@ class Eagle3Config:
             and it, the final norm and the LM head stay frozen (the target's LM head gives the tokens).
         token_loss_weight: weight of the token loss (EAGLE-1: 0.1 beside feature regression 1.0).
         feature_noise: EAGLE-1's training noise, uniform in [-a, a], added to the target features (0 = off).
+        rope_theta, rope_scaling, rms_norm_eps: the head's own RoPE and RMSNorm epsilon, which may differ from the
+            target's (an imported head runs as its trainers ran it: EAGLE trains Llama-3.1 heads at base 10000
+            without scaling); null: the target's (`for_target` fills them in).
+        feature_norm: an RMSNorm on each fused target layer before `fc` (SpecForge's `fc_norm`, its "EAGLE-3.1"
+            heads); the params then carry `fc_norm`.
     """
 
     feature_layers: tuple[int, ...] | None = None
@@ -165,6 +170,10 @@ class Eagle3Config:
     feature_loss_weight: float = 0.0
     token_loss_weight: float = 1.0
     feature_noise: float = 0.0
+    rope_theta: float | None = None
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float | None = None
+    feature_norm: bool = False
 
     def __post_init__(self):
         if self.depth < 1 or self.top_k < 1 or self.ttt_steps < 1:
@@ -193,7 +202,8 @@ class Eagle3Config:
                             "feature layer, e.g. feature_layers: [29] (or null: the target's top layer).")
 
     def for_target(self, target_cfg: ModelConfig) -> Eagle3Config:
-        """This config with the target-dependent defaults filled in (feature layers, Vd <= V); checks ranges."""
+        """This config with the target-dependent defaults filled in (feature layers, Vd <= V, the head's RoPE and
+        epsilon); checks ranges."""
         if self.feature_layers:
             layers = self.feature_layers
         elif self.feature_loss_weight > 0:  # EAGLE-1: the top layer
@@ -206,7 +216,15 @@ class Eagle3Config:
                                 f"{target_cfg.num_layers - 1}.")
         vocab = self.draft_vocab_size
         vocab = target_cfg.vocab_size if vocab == 0 or vocab > target_cfg.vocab_size else vocab
-        return dataclasses.replace(self, feature_layers=tuple(layers), draft_vocab_size=vocab)
+        return dataclasses.replace(
+            self, feature_layers=tuple(layers), draft_vocab_size=vocab,
+            rope_theta=target_cfg.rope_theta if self.rope_theta is None else float(self.rope_theta),
+            rope_scaling=target_cfg.rope_scaling if self.rope_scaling is None else self.rope_scaling,
+            rms_norm_eps=target_cfg.rms_norm_eps if self.rms_norm_eps is None else float(self.rms_norm_eps))
+
+    def head_config(self, target_cfg: ModelConfig) -> ModelConfig:
+        """The config the head's layer runs with: the target's, with the head's own RoPE and epsilon."""
+        return head_model_config(target_cfg, self.rope_theta, self.rope_scaling, self.rms_norm_eps)
 
     def make_drafter(self) -> Eagle3Drafter:
         if self.feature_layers is None:
@@ -214,9 +232,13 @@ class Eagle3Config:
         if self.tree_choices is not None:
             choices = tuple(sorted({tuple(c) for c in self.tree_choices}, key=lambda c: (len(c), c)))
             return Eagle3Drafter(target_layers=tuple(self.feature_layers), depth=max(len(c) for c in choices),
-                                 top_k=max(max(c) for c in choices) + 1, num_nodes=len(choices), choices=choices)
+                                 top_k=max(max(c) for c in choices) + 1, num_nodes=len(choices), choices=choices,
+                                 **self._head_settings())
         return Eagle3Drafter(target_layers=tuple(self.feature_layers), depth=self.depth, top_k=self.top_k,
-                             num_nodes=self.num_nodes)
+                             num_nodes=self.num_nodes, **self._head_settings())
+
+    def _head_settings(self) -> dict[str, Any]:
+        return dict(rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps)
 
     def init_params(self, target_cfg: ModelConfig, target_weights: Weights, key: jax.Array | None = None,
                     vocab_counts: np.ndarray | None = None) -> Eagle3Params:
@@ -227,7 +249,16 @@ class Eagle3Config:
         d2t, _ = build_vocab_map(counts, cfg.draft_vocab_size)
         key = jax.random.key(0) if key is None else key
         return init_eagle3_params(target_cfg, target_weights, len(cfg.feature_layers), d2t, key, self.init_scale,
-                                  identity_fc=self.feature_loss_weight > 0)
+                                  identity_fc=self.feature_loss_weight > 0, feature_norm=self.feature_norm)
+
+
+def head_model_config(target_cfg: ModelConfig, rope_theta: float | None = None,
+                      rope_scaling: RopeScaling | None = None, rms_norm_eps: float | None = None) -> ModelConfig:
+    """The target's config with a head's own RoPE and epsilon where given (None: the target's). The head's layer
+    (`_project`, `_finish`, `head_logits`, `fuse_features`) runs with it; widths and heads stay the target's."""
+    changes = {k: v for k, v in (("rope_theta", rope_theta), ("rope_scaling", rope_scaling),
+                                 ("rms_norm_eps", rms_norm_eps)) if v is not None}
+    return dataclasses.replace(target_cfg, **changes) if changes else target_cfg
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -252,6 +283,7 @@ class Eagle3Params:
     final_norm: jax.Array  # [d]
     lm_head: jax.Array  # [d, Vd]
     d2t: jax.Array  # float32[Vd]: target id of each draft id (float so the pytree is all-differentiable)
+    fc_norm: jax.Array | None = None  # [n, d]: an RMSNorm weight per fused layer before fc (feature_norm), or None
 
 
 def build_vocab_map(token_counts, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -285,11 +317,12 @@ def response_token_counts(dataset, vocab_size: int) -> np.ndarray:
 
 
 def init_eagle3_params(target_cfg: ModelConfig, target_weights: Weights, num_features: int, d2t: np.ndarray,
-                       key: jax.Array, scale: float = 0.02, dtype=jnp.float32, identity_fc: bool = False
-                       ) -> Eagle3Params:
+                       key: jax.Array, scale: float = 0.02, dtype=jnp.float32, identity_fc: bool = False,
+                       feature_norm: bool = False) -> Eagle3Params:
     """Random matrices (normal(0, scale)), norms at 1; the final norm and LM head start as the target's (the LM head
     restricted to the draft vocabulary's columns), so the output layer starts in the target's token space.
-    identity_fc: `fc` is the identity (EAGLE-1: one feature layer, the head works in the target's feature space)."""
+    identity_fc: `fc` is the identity (EAGLE-1: one feature layer, the head works in the target's feature space).
+    feature_norm: with per-layer norms before fc (`fc_norm`, at 1)."""
     d, f, h = target_cfg.hidden_size, target_cfg.intermediate_size, target_cfg.head_dim
     hq, hk = target_cfg.num_heads, target_cfg.num_kv_heads
     keys = iter(jax.random.split(key, 8))
@@ -307,6 +340,7 @@ def init_eagle3_params(target_cfg: ModelConfig, target_weights: Weights, num_fea
         final_norm=jnp.array(target_weights.final_norm, dtype, copy=True),  # a copy: training donates params
         lm_head=jnp.take(shared, d2t, axis=1).astype(dtype),
         d2t=d2t.astype(jnp.float32),
+        fc_norm=jnp.ones((num_features, d), dtype) if feature_norm else None,
     )
 
 
@@ -329,9 +363,14 @@ def to_target_logits(params: Eagle3Params, draft_logits: jax.Array, vocab_size: 
     return full.at[..., draft_to_target(params)].set(draft_logits)
 
 
-def fuse_features(params: Eagle3Params, hidden: jax.Array) -> jax.Array:
-    """hidden: [n, ..., d], the target's residual stream after each feature layer -> fused [..., d]."""
+def fuse_features(params: Eagle3Params, hidden: jax.Array, eps: float | None = None) -> jax.Array:
+    """hidden: [n, ..., d], the target's residual stream after each feature layer -> fused [..., d]. eps: the head's
+    RMSNorm epsilon, needed by a head with per-layer norms (`fc_norm`)."""
     x = jnp.moveaxis(hidden, 0, -2)  # [..., n, d]
+    if params.fc_norm is not None:
+        if eps is None:
+            raise ValueError("This head normalises each fused layer (fc_norm): pass the head's rms_norm_eps.")
+        x = rms_norm(x.astype(params.fc_norm.dtype), params.fc_norm, eps)  # [..., n, d]
     x = x.reshape(*x.shape[:-2], -1).astype(params.fc.dtype)  # [..., n d]
     return jnp.einsum("...e,ed->...d", x, params.fc)
 
@@ -548,23 +587,26 @@ def absorb_pairs(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache
     return dataclasses.replace(cache, lengths=lengths), h_root
 
 
-def init_head_state(head: Eagle3Params, target_cfg: ModelConfig, prefill_out, cache_size: int,
+def init_head_state(head: Eagle3Params, cfg: ModelConfig, prefill_out, cache_size: int,
                     num_nodes: int) -> HeadState:
     """The state of a head drafter after the prefill (EAGLE heads and the block heads): an empty one-layer cache,
-    the prompt's fused features (absorbed by the first round), room for `num_nodes` + 1 pending features."""
-    prompt = fuse_features(head, prefill_out.hidden)  # [B, P, d]
+    the prompt's fused features (absorbed by the first round), room for `num_nodes` + 1 pending features.
+    cfg: the head's config (`head_model_config`)."""
+    prompt = fuse_features(head, prefill_out.hidden, cfg.rms_norm_eps)  # [B, P, d]
     b = prompt.shape[0]
-    cache = init_cache(target_cfg, b, cache_size, head.wk.dtype, num_layers=1)
+    cache = init_cache(cfg, b, cache_size, head.wk.dtype, num_layers=1)
     return HeadState(cache=cache, pending=jnp.zeros((b, num_nodes + 1, prompt.shape[-1]), prompt.dtype),
                      prompt=prompt, first=jnp.array(True))
 
 
-def keep_accepted_features(head: Eagle3Params, state: HeadState, verification, acceptance) -> HeadState:
+def keep_accepted_features(head: Eagle3Params, state: HeadState, verification, acceptance,
+                           eps: float | None = None) -> HeadState:
     """The state after a round: the fused features of the root and the accepted nodes become the pending pairs of
-    the next round (they start at the old committed length, the root's position, where the head's cache ends)."""
+    the next round (they start at the old committed length, the root's position, where the head's cache ends).
+    eps: the head's RMSNorm epsilon (`fuse_features`)."""
     path = acceptance.path  # [B, T+1] verification indices of the root and the accepted nodes
     hidden = jnp.take_along_axis(verification.hidden, path[None, :, :, None], axis=2)  # [n, B, T+1, d]
-    return dataclasses.replace(state, pending=fuse_features(head, hidden).astype(state.pending.dtype))
+    return dataclasses.replace(state, pending=fuse_features(head, hidden, eps).astype(state.pending.dtype))
 
 
 def pending_pairs(cache: KVCache, history: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
@@ -589,13 +631,20 @@ class Eagle3Drafter(Drafter):
     top_k: int = 4
     num_nodes: int = 16
     choices: tuple[tuple[int, ...], ...] | None = None  # a static tree (EAGLE-1) instead of the dynamic one
+    rope_theta: float | None = None  # the head's own RoPE and epsilon (None: the target's; Eagle3Config)
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float | None = None
     name: str = "eagle3"
 
+    def head_config(self, target_cfg: ModelConfig) -> ModelConfig:
+        return head_model_config(target_cfg, self.rope_theta, self.rope_scaling, self.rms_norm_eps)
+
     def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
-        return init_head_state(params, target_cfg, prefill_out, cache_size, self.num_nodes)
+        return init_head_state(params, self.head_config(target_cfg), prefill_out, cache_size, self.num_nodes)
 
     def propose(self, params, state: HeadState, inputs: RoundInputs, target_cfg, sampling, rng):
         embed = inputs.target_weights.embed
+        target_cfg = self.head_config(target_cfg)  # the head's layer runs with its own RoPE and epsilon
 
         def absorb(feats):
             return absorb_pairs(params, target_cfg, embed, state.cache, feats, inputs.history, inputs.lengths)
@@ -611,7 +660,7 @@ class Eagle3Drafter(Drafter):
         return tree, dataclasses.replace(state, cache=cache, first=jnp.array(False)), inputs.target_cache
 
     def update(self, params, state: HeadState, inputs, verification, acceptance):
-        return keep_accepted_features(params, state, verification, acceptance)
+        return keep_accepted_features(params, state, verification, acceptance, self.rms_norm_eps)
 
     def draft_cost_layers(self, target_cfg):
         return float(self.depth)  # one decoder layer, `depth` forwards per round (m = depth, Ls = 1)
@@ -687,7 +736,7 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
                 hidden: jax.Array, target_last: jax.Array, loss_mask: jax.Array, *, steps: int,
                 kind: str = "forward_kl", decay: float | None = 0.8, gamma: float | None = None,
                 feature_weight: float = 0.0, token_weight: float = 1.0, noise: float = 0.0,
-                key: jax.Array | None = None):
+                key: jax.Array | None = None, head_cfg: ModelConfig | None = None):
     """The TTT distillation loss on a batch of sequences.
 
     Args:
@@ -700,6 +749,7 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
             target's normed last hidden state; the pre-norm residual stream has outliers in the hundreds); when
             > 0, fc, the final norm and the LM head are frozen.
         token_weight: weight of the token loss. noise: uniform feature noise amplitude (needs `key`).
+        head_cfg: the head's config (`Eagle3Config.head_config`: its own RoPE and epsilon); None: the target's.
     Returns:
         (loss, metrics: loss_step{i} and acc_step{i}, the draft argmax (as a target id) equal to the text's next
         token, which is the target's argmax in text it generated at T=0; feature_step{i} with feature regression).
@@ -714,8 +764,9 @@ def eagle3_loss(params: Eagle3Params, target_weights: Weights, target_cfg: Model
     inputs = hidden
     if noise > 0:
         inputs = hidden + jax.random.uniform(key, hidden.shape, hidden.dtype, -noise, noise)  # [n, B, S, d]
-    logits, outputs = ttt_logits(params, target_cfg, target_weights.embed, tokens, fuse_features(params, inputs),
-                                 steps, with_outputs=True)
+    head_cfg = target_cfg if head_cfg is None else head_cfg
+    logits, outputs = ttt_logits(params, head_cfg, target_weights.embed, tokens,
+                                 fuse_features(params, inputs, head_cfg.rms_norm_eps), steps, with_outputs=True)
     losses, metrics = [], {}
     for i, step_logits in enumerate(logits):
         mask = _shift(loss_mask, i + 1, False)  # [B, S]: loss_mask[t + i + 1]
@@ -742,7 +793,8 @@ def eagle3_training_loss(params, mcfg: Eagle3Config, target_weights, target_cfg,
     return eagle3_loss(params, target_weights, target_cfg, features.tokens, features.hidden, features.last_hidden,
                        loss_mask, steps=mcfg.ttt_steps, kind=loss_cfg.kind, decay=loss_cfg.position_decay,
                        gamma=loss_cfg.gamma, feature_weight=mcfg.feature_loss_weight,
-                       token_weight=mcfg.token_loss_weight, noise=mcfg.feature_noise, key=key)
+                       token_weight=mcfg.token_loss_weight, noise=mcfg.feature_noise, key=key,
+                       head_cfg=mcfg.head_config(target_cfg))
 
 
 # ---------------------------------------------------------------------------------------------- acceptance profile
@@ -753,7 +805,7 @@ NOT_DRAFTABLE = 1 << 30  # the rank of a token the head cannot draft (outside th
 
 def draft_ranks(params: Eagle3Params, target_weights: Weights, target_cfg: ModelConfig,
                 feature_layers: tuple[int, ...], tokens: np.ndarray, lengths: np.ndarray, response_starts: np.ndarray,
-                depth: int) -> np.ndarray:
+                depth: int, head_cfg: ModelConfig | None = None) -> np.ndarray:
     """The head's ranks of the target's own tokens, depth by depth, along text the target generated.
 
     At every response position t of every row (a round whose root is token t + 1, everything up to it committed),
@@ -767,6 +819,7 @@ def draft_ranks(params: Eagle3Params, target_weights: Weights, target_cfg: Model
         tokens: int[R, S] prompts followed by the target's greedy continuations, right-padded.
         lengths: int[R] real tokens per row; response_starts: int[R] index of each row's first generated token.
         depth: steps to measure.
+        head_cfg: the head's config (`Eagle3Drafter.head_config`); None: the target's.
     Returns:
         int64[P, depth], one row per measured position; NOT_DRAFTABLE where the token is not in the draft
         vocabulary or lies beyond the row's text.
@@ -778,8 +831,9 @@ def draft_ranks(params: Eagle3Params, target_weights: Weights, target_cfg: Model
     t2d[d2t] = np.arange(len(d2t))
     ranks = np.full((r, s, depth), NOT_DRAFTABLE, np.int64)  # [R, S, depth]
     for row in range(r):  # one row at a time: [depth, S, Vd] logits at most
-        logits = np.asarray(_chain_logits(params, target_weights, target_cfg, tuple(feature_layers),
-                                          jnp.asarray(toks[row: row + 1], jnp.int32), depth))[:, 0]  # [depth, S, Vd]
+        logits = np.asarray(_chain_logits(params, target_weights, target_cfg, head_cfg or target_cfg,
+                                          tuple(feature_layers), jnp.asarray(toks[row: row + 1], jnp.int32),
+                                          depth))[:, 0]  # [depth, S, Vd]
         for j in range(depth):  # column t predicts token t + j + 2
             wanted = np.full(s, -1, np.int64)  # [S]
             wanted[: max(s - j - 2, 0)] = t2d[toks[row, j + 2:]]
@@ -794,11 +848,11 @@ def draft_ranks(params: Eagle3Params, target_weights: Weights, target_cfg: Model
     return ranks[measured].astype(np.int64)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "feature_layers", "depth"))
-def _chain_logits(params, target_weights, target_cfg, feature_layers, tokens, depth):
+@functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "feature_layers", "depth"))
+def _chain_logits(params, target_weights, target_cfg, head_cfg, feature_layers, tokens, depth):
     """tokens: int32[R, S] -> [depth, R, S, Vd]: the head's step-j logits fed the true tokens (`ttt_logits`)."""
     r, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))  # [R, S]
     out = forward(target_weights, target_cfg, tokens, positions, hidden_layers=feature_layers, compute_logits=False)
-    return jnp.stack(ttt_logits(params, target_cfg, target_weights.embed, tokens, fuse_features(params, out.hidden),
-                                depth))
+    feats = fuse_features(params, out.hidden, head_cfg.rms_norm_eps)  # [R, S, d]
+    return jnp.stack(ttt_logits(params, head_cfg, target_weights.embed, tokens, feats, depth))

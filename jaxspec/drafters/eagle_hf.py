@@ -31,6 +31,7 @@ Tensors (torch `nn.Linear` weights are [out, in]; ours are [in, out]):
     d2t                                         int64[Vd]      OFFSETS: target id = draft id + d2t[draft id]
     t2d                                         bool[V]        True at the target ids the draft vocabulary holds
     embed_tokens.weight (optional)              [V, d]         not ours: the target's embedding is used
+    fc_norm.{0,1,2}.weight (SpecForge, optional) [d]           fc_norm[i]: an RMSNorm on fused layer i before fc
 
 The q/k/v input is concat(input_layernorm(embedding), hidden_norm(feature)), embedding first: our `_project`.
 
@@ -50,9 +51,14 @@ Export writes both keys, each in its reader's numbering, plus our own numbers un
 prefers "jaxspec", then vLLM's key, then SGLang's, then the default. The LAST layer's output is only reachable in
 recent vLLM (older vLLM and SGLang capture before a layer), so export warns about it.
 
-The head runs with the target's RoPE and RMSNorm epsilon (jaxspec's head takes them from the target config);
-config.json carries the draft's own. Export writes the target's; import warns when a file's differ (outputs stay
-exact, since verification decides, but acceptance may be lower than in vLLM or SGLang).
+Which files are EAGLE-3 heads: the tensors decide (fc.weight and midlayer.*), not config.json's architectures
+(EAGLE's own releases say LlamaForCausalLM, SpecForge and SGLang LlamaForCausalLMEagle3).
+
+The head's RoPE and RMSNorm epsilon are its own, read from its config.json as vLLM, SGLang and current SpecForge
+build the draft layer (`head_rope_and_eps`: rope_theta default 10000, where EAGLE trains its Llama-3.1 heads), and
+kept in `Eagle3Config.rope_theta / rope_scaling / rms_norm_eps`; export writes them back (a jaxspec-trained head:
+the target's). SpecForge's `fc_norm` heads (EAGLE-3.1) are run with their per-layer norms; `norm_output: false`
+is refused by name.
 """
 
 from __future__ import annotations
@@ -148,6 +154,9 @@ def params_to_hf(params: Eagle3Params, vocab_size: int) -> dict[str, np.ndarray]
     t2d = np.zeros(vocab_size, np.bool_)
     t2d[targets] = True
     out["t2d"] = t2d
+    if params.fc_norm is not None:  # SpecForge's per-layer norms, one tensor per fused layer
+        for i, w in enumerate(np.asarray(jax.device_get(params.fc_norm), np.float32)):
+            out[f"fc_norm.{i}.weight"] = np.ascontiguousarray(w)
     return out
 
 
@@ -164,7 +173,44 @@ def hf_to_params(tensors: dict[str, np.ndarray], target_ids: np.ndarray, num_hea
         elif kind == "T":
             x = x.T
         fields[field] = jnp.asarray(x, jnp.float32)
-    return Eagle3Params(**fields, d2t=jnp.asarray(target_ids, jnp.float32))
+    n = fields["fc"].shape[0] // fields["fc"].shape[1]
+    fc_norm = None
+    if "fc_norm.0.weight" in tensors:  # [n, d]
+        fc_norm = jnp.asarray(np.stack([np.asarray(tensors[f"fc_norm.{i}.weight"], np.float32) for i in range(n)]))
+    return Eagle3Params(**fields, d2t=jnp.asarray(target_ids, jnp.float32), fc_norm=fc_norm)
+
+
+def rope_scaling_for_export(scaling: RopeScaling) -> dict[str, Any] | None:
+    """config.json's `rope_scaling` for a head's RoPE, in the form most consumers read: null without scaling;
+    linear as EAGLE's own loader demands it (exactly `type` and `factor`, which vLLM, SGLang and transformers read
+    too); llama3 in transformers' five fields (vLLM, SGLang, SpecForge; EAGLE's loader knows only linear and
+    dynamic, so it cannot load a head with llama3 scaling whatever the file says)."""
+    if scaling.kind == "default":
+        return None
+    if scaling.kind == "linear":
+        return {"type": "linear", "factor": float(scaling.factor)}
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position}
+
+
+def head_rope_and_eps(config: dict[str, Any], where: str) -> tuple[float, RopeScaling, float]:
+    """(rope_theta, rope scaling, rms_norm_eps) a head was trained with, from its config.json, as vLLM, SGLang and
+    current SpecForge build the draft layer: `rope_theta` (or transformers 5's `rope_parameters.rope_theta`),
+    default 10000 (EAGLE's released Llama-3.1 configs have none, and EAGLE trains at base 10000);
+    `rope_scaling` or `rope_parameters` (keys `rope_type` or the older `type`); `rms_norm_eps`, default 1e-6
+    (transformers' LlamaConfig)."""
+    params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else None
+    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else params
+    theta = config.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+    try:
+        rope = _rope_scaling_from_hf(scaling or {})
+    except (UserError, KeyError, TypeError, ValueError):
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        raise UserError(f"{where} was trained with RoPE scaling {kind!r} ({scaling}); jaxspec's head runs default, "
+                        "linear and llama3 RoPE only, and running it with another would change what it drafts.") \
+            from None
+    return float(theta), rope, float(config.get("rms_norm_eps", 1e-6))
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -176,8 +222,9 @@ def export_eagle3_hf(path: str | os.PathLike, params: Eagle3Params, mcfg: Eagle3
     """Writes an EAGLE-3 head as `config.json` + `model.safetensors` in the public checkpoints' format.
 
     The draft vocabulary is written in the references' order (by target id); weights in `dtype`, d2t as int64
-    offsets and t2d as bool, exactly as EAGLE and SpecForge save them. config.json also carries the target's RoPE
-    and epsilon (what the head ran with here), the feature layers in vLLM's and SGLang's numbering, and a
+    offsets and t2d as bool, exactly as EAGLE and SpecForge save them. config.json also carries the head's RoPE
+    and epsilon (its own: the target's unless it was imported with others; `rope_scaling` in the form most readers
+    take, see `rope_scaling_for_export`), the feature layers in vLLM's and SGLang's numbering, and a
     "jaxspec" section (format version, our feature layers, the drafter config with the tree settings, the target's
     fingerprint and source when given) that `import_eagle3_hf` uses and other readers ignore.
 
@@ -209,6 +256,10 @@ def export_eagle3_hf(path: str | os.PathLike, params: Eagle3Params, mcfg: Eagle3
         warnings.warn(f"This head fuses the output of the target's last layer ({big - 1}); only recent vLLM "
                       f"versions can feed it (SGLang and older vLLM capture the stream before a layer, so they can "
                       f"reach layers 0..{big - 2} only).", UserWarning, stacklevel=2)
+    if params.fc_norm is not None:
+        warnings.warn("This head normalises each fused layer before fc (SpecForge's fc_norm): SpecForge runs it as "
+                      "trained, but SGLang's EAGLE-3 loader skips the fc_norm tensors it does not know, and would "
+                      "run it without them.", UserWarning, stacklevel=2)
     expected = {"fc": (3 * d, d), "wq": (2 * d, target_cfg.num_heads, target_cfg.head_dim),
                 "wk": (2 * d, target_cfg.num_kv_heads, target_cfg.head_dim), "final_norm": (d,)}
     for field, shape in expected.items():
@@ -222,7 +273,8 @@ def export_eagle3_hf(path: str | os.PathLike, params: Eagle3Params, mcfg: Eagle3
 
     order = np.argsort(layers, kind="stable")  # fc's input blocks in ascending layer order, as the references cat
     fc = np.asarray(jax.device_get(params.fc)).reshape(3, d, d)[order].reshape(3 * d, d)
-    head = sort_draft_vocab(dataclasses.replace(params, fc=jnp.asarray(fc)))
+    fc_norm = None if params.fc_norm is None else jnp.asarray(np.asarray(jax.device_get(params.fc_norm))[order])
+    head = sort_draft_vocab(dataclasses.replace(params, fc=jnp.asarray(fc), fc_norm=fc_norm))
     tensors = params_to_hf(head, v)
     np_dtype = EXPORT_DTYPES[dtype]
     tensors = {k: (x if x.dtype.kind in "bi" else x.astype(np_dtype)) for k, x in tensors.items()}
@@ -245,9 +297,9 @@ def export_eagle3_hf(path: str | os.PathLike, params: Eagle3Params, mcfg: Eagle3
         "head_dim": target_cfg.head_dim,
         "num_hidden_layers": 1,
         "hidden_act": "silu",
-        "rms_norm_eps": target_cfg.rms_norm_eps,
-        "rope_theta": target_cfg.rope_theta,
-        "rope_scaling": target_cfg.to_hf_dict()["rope_scaling"],
+        "rms_norm_eps": cfg.rms_norm_eps,  # the head's own (the target's unless it was imported with others)
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling_for_export(cfg.rope_scaling),
         "max_position_embeddings": target_cfg.max_position_embeddings,
         "vocab_size": v,
         "draft_vocab_size": vd,
@@ -255,6 +307,7 @@ def export_eagle3_hf(path: str | os.PathLike, params: Eagle3Params, mcfg: Eagle3
         "attention_bias": False,
         "mlp_bias": False,
         "norm_before_residual": False,
+        **({"fc_norm": True} if params.fc_norm is not None else {}),
         "bos_token_id": target_cfg.bos_token_id,
         "eos_token_id": list(target_cfg.eos_token_ids) or None,
         "torch_dtype": dtype,
@@ -371,32 +424,16 @@ def _feature_layers(config: dict[str, Any], section: dict[str, Any] | None, n: i
     return tuple(sorted(layers))
 
 
-def _runtime_mismatches(config: dict[str, Any], target_cfg: ModelConfig) -> list[str]:
-    """Settings the draft was trained with that jaxspec's head takes from the target instead (RoPE, epsilon)."""
-    problems = []
-    rope_params = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    theta = float(config.get("rope_theta", rope_params.get("rope_theta", 10000.0)))  # HF LlamaConfig's default
-    try:
-        scaling = _rope_scaling_from_hf(rope_params)
-    except UserError:
-        scaling = RopeScaling(kind=str(rope_params.get("rope_type", rope_params.get("type", "?"))))
-    if theta != target_cfg.rope_theta or scaling != target_cfg.rope_scaling:
-        problems.append(f"RoPE theta {theta:g} with {scaling.kind} scaling (the target: theta "
-                        f"{target_cfg.rope_theta:g}, {target_cfg.rope_scaling.kind} scaling)")
-    eps = config.get("rms_norm_eps")
-    if eps is not None and float(eps) != target_cfg.rms_norm_eps:
-        problems.append(f"rms_norm_eps {float(eps):g} (the target: {target_cfg.rms_norm_eps:g})")
-    return problems
-
-
 def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_weights=None, *,
                      target_fingerprint: str | None = None) -> tuple[Eagle3Params, Eagle3Config]:
     """Reads an EAGLE-3 Llama drafter in the public Hugging Face format into float32 params for this target.
 
-    Checks everything a wrong checkpoint would otherwise turn into garbage drafts or a crash: the architecture,
-    the widths and head counts against the target, the feature layers, and above all the vocabulary map (a
-    drafter trained for another target's tokenizer). Draft ids keep the file's order. `embed_tokens.weight`, if
-    present, is ignored (the target's embedding is used) after its shape is checked.
+    Checks everything a wrong checkpoint would otherwise turn into garbage drafts or a crash: that the tensors are
+    an EAGLE-3 head's, the widths and head counts against the target, the feature layers, and above all the
+    vocabulary map (a drafter trained for another target's tokenizer). Draft ids keep the file's order.
+    `embed_tokens.weight`, if present, is ignored (the target's embedding is used) after its shape is checked. The
+    head keeps its own RoPE and epsilon (the config's `rope_theta`, `rope_scaling`, `rms_norm_eps`) and its
+    per-layer feature norms (`fc_norm`), so it drafts as it did where it was trained.
 
     Args:
         path: the folder (config.json + model.safetensors, or shards with model.safetensors.index.json). Only
@@ -421,13 +458,15 @@ def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_we
     hq, hkv, h = target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.head_dim
 
     archs = config.get("architectures") or []
-    if not any(a in ARCHITECTURES for a in archs):
-        if config.get("speculators_model_type") or "Eagle3Speculator" in archs:
-            raise UserError(f"{where} is in the vLLM 'speculators' layout ({archs}); jaxspec reads the original "
-                            f"EAGLE-3 layout ({ARCHITECTURES[0]}): use the checkpoint it was converted from.")
-        raise UserError(f"{where} is not an EAGLE-3 Llama draft head: config.json's architectures are {archs}, "
-                        f"expected one of {list(ARCHITECTURES)}. (EAGLE-1/2 heads and other drafters have other "
-                        "layouts.)")
+    if config.get("speculators_model_type") or "Eagle3Speculator" in archs:
+        raise UserError(f"{where} is in the vLLM 'speculators' layout ({archs}); jaxspec reads the original "
+                        f"EAGLE-3 layout ({ARCHITECTURES[0]}): use the checkpoint it was converted from.")
+    # the tensors decide, not the name: EAGLE's own releases say LlamaForCausalLM (vLLM maps that name to its
+    # EAGLE-3 class when the method is eagle3), SpecForge and SGLang LlamaForCausalLMEagle3
+    if "fc.weight" not in tensors or not any(k.startswith("midlayer.") for k in tensors):
+        raise UserError(f"{where} is not an EAGLE-3 draft head: it has no fc.weight and midlayer.* tensors (the "
+                        f"fused-feature projection and the draft layer of every EAGLE-3 layout); config.json's "
+                        f"architectures are {archs}. EAGLE-1/2 heads and other drafters have other layouts.")
     section = config.get(JAXSPEC_KEY) if isinstance(config.get(JAXSPEC_KEY), dict) else None
     if section and section.get("format_version", 0) > JAXSPEC_FORMAT_VERSION:
         raise UserError(f"{where} was exported by a newer jaxspec (format version {section['format_version']}); "
@@ -442,6 +481,10 @@ def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_we
         raise UserError(f"{where} has {config['num_hidden_layers']} decoder layers; jaxspec's EAGLE-3 head has one.")
     if config.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where} uses activation {config['hidden_act']}; jaxspec's head is SwiGLU (silu).")
+    if config.get("norm_output") is False:
+        raise UserError(f"{where} sets norm_output false (SpecForge: its LM head reads the draft layer's output "
+                        "without the final norm); jaxspec's head always applies the final norm, so it cannot run "
+                        "this drafter as it was trained.")
     if config.get("norm_before_residual"):
         raise UserError(f"{where} sets norm_before_residual (the residual is the normed feature); jaxspec's head "
                         "adds the raw feature, as EAGLE and SGLang do, so it cannot run this drafter.")
@@ -463,7 +506,8 @@ def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_we
         raise UserError(f"{where} was built for a vocabulary of {int(config['vocab_size'])} tokens but the target has "
                         f"{v}; it was trained for another target (another tokenizer).")
 
-    known = {name for name, _ in _WEIGHTS.values()} | set(OPTIONAL_TENSORS)
+    fc_norms = sorted(k for k in tensors if k.startswith("fc_norm."))
+    known = {name for name, _ in _WEIGHTS.values()} | set(OPTIONAL_TENSORS) | set(fc_norms)
     unknown = sorted(k for k in tensors if k not in known and not k.endswith("rotary_emb.inv_freq"))
     if unknown:
         more = " ..." if len(unknown) > 6 else ""
@@ -484,6 +528,19 @@ def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_we
                         f"layers of the target's width {d}), so this head was trained for a target of another "
                         "width.")
     n = fc.shape[1] // d
+    wanted_norms = [f"fc_norm.{i}.weight" for i in range(n)]
+    if fc_norms and sorted(fc_norms) != sorted(wanted_norms):
+        raise UserError(f"{where} has per-layer feature norms {', '.join(fc_norms)}, but fc.weight fuses {n} layers: "
+                        f"expected {', '.join(wanted_norms)}.")
+    if config.get("fc_norm") and not fc_norms:
+        raise UserError(f"{where} sets fc_norm (SpecForge's per-layer norms before fc) but has no fc_norm.*.weight "
+                        "tensors; the files are incomplete.")
+    if fc_norms and config.get("fc_norm") is False:
+        raise UserError(f"{where} has fc_norm.*.weight tensors but config.json sets fc_norm false; SpecForge would "
+                        "not apply them. The files do not belong together.")
+    bad = [f"{k} {_shape(tensors[k])}" for k in fc_norms if _shape(tensors[k]) != (d,)]
+    if bad:
+        raise UserError(f"{where} does not fit this target: {'; '.join(bad)} (expected ({d},)).")
     f = int(tensors["midlayer.mlp.gate_proj.weight"].shape[0])
     if "intermediate_size" in config and int(config["intermediate_size"]) != f:
         raise UserError(f"{where}: config.json says intermediate_size {config['intermediate_size']} but "
@@ -558,15 +615,12 @@ def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_we
         shared = target_weights.embed.T if target_weights.lm_head is None else target_weights.lm_head  # [d, V]
         tensors = {**tensors, "lm_head.weight": np.asarray(jax.device_get(shared), np.float32)[:, targets].T}
 
-    problems = _runtime_mismatches(config, target_cfg)
-    if problems:
-        warnings.warn(f"{where} was trained with {' and '.join(problems)}; jaxspec runs the head with the target's "
-                      "settings. Outputs stay exact (verification decides), but fewer drafts may be accepted than "
-                      "in vLLM or SGLang.", UserWarning, stacklevel=2)
+    theta, rope, eps = head_rope_and_eps(config, where)  # the head runs as its trainers ran it
 
     params = hf_to_params(tensors, targets, hq, hkv, h)
     settings = dict((section or {}).get("drafter") or {})
-    settings.update(feature_layers=list(layers), draft_vocab_size=vd)
+    settings.update(feature_layers=list(layers), draft_vocab_size=vd, rope_theta=theta,
+                    rope_scaling=dataclasses.asdict(rope), rms_norm_eps=eps, feature_norm=bool(fc_norms))
     try:
         mcfg = from_dict(Eagle3Config, settings, path="jaxspec.drafter")
     except UserError as e:
@@ -574,6 +628,6 @@ def import_eagle3_hf(path: str | os.PathLike, target_cfg: ModelConfig, target_we
     return params, mcfg.for_target(target_cfg)
 
 
-__all__ = ["ARCHITECTURES", "default_reference_layers", "export_eagle3_hf",
-           "hf_to_params", "import_eagle3_hf", "params_to_hf", "read_hf_folder", "sort_draft_vocab", "to_sglang_ids",
-           "to_vllm_ids"]
+__all__ = ["ARCHITECTURES", "default_reference_layers", "export_eagle3_hf", "head_rope_and_eps",
+           "hf_to_params", "import_eagle3_hf", "params_to_hf", "read_hf_folder", "rope_scaling_for_export",
+           "sort_draft_vocab", "to_sglang_ids", "to_vllm_ids"]
