@@ -47,7 +47,9 @@ def test_a_round_that_rejects_mid_tree_leaves_the_state_of_a_fresh_prefill():
     _, _, fresh = prefill(w, cfg, text, jnp.array([15]), init_cache(cfg, 1, 64))
     assert after.lengths.tolist() == fresh.lengths.tolist() == [15]
     np.testing.assert_allclose(np.asarray(after.state), np.asarray(fresh.state), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(after.conv), np.asarray(fresh.conv), atol=1e-6)
+    # the conv buffers hold projections of each layer's input, like k: layer 1's input comes out of layer 0 by the
+    # tree-masked path here and the chunked path there, so the two agree to float32 rounding (1.4e-6 seen), as k does
+    np.testing.assert_allclose(np.asarray(after.conv), np.asarray(fresh.conv), atol=1e-5)
     np.testing.assert_allclose(np.asarray(after.k[:, :, :, :15]), np.asarray(fresh.k[:, :, :, :15]), atol=1e-5)
     next_after, _ = decode_step(w, cfg, jnp.asarray([g3]), after, jnp.ones(1, bool))
     next_fresh, _ = decode_step(w, cfg, jnp.asarray([g3]), fresh, jnp.ones(1, bool))
