@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_regenerate_parser(sub)
     add_train_parser(sub)
+    from jaxspec.plan import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -289,6 +292,7 @@ def cmd_export(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
         initialize_distributed(args)
@@ -311,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             from jaxspec.training.distill import cmd_train
 
             cmd_train(args)
+        elif args.command == "plan":
+            from jaxspec.plan import cmd_plan
+
+            return cmd_plan(args, argv)
     except UserError as e:
         print(f"jaxspec: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,254 @@
+"""`jaxspec plan`: will a target's generation fit a mesh, before the rental starts.
+
+Compiles the real jitted generation program (`jaxspec.generate.generate_tokens`, the loop `jaxspec generate` runs)
+for abstract arrays (`jax.ShapeDtypeStruct` with the shardings the mesh gives them: no weights are read, nothing is
+allocated) on a (data, model) mesh, and reads XLA's memory and cost analysis of the compiled program, which are
+per device for a partitioned program. On CPU the mesh is made of fake devices (`jaxspec plan` restarts itself with
+`--xla_force_host_platform_device_count` when the machine has fewer). The temporaries are what this machine's
+compiler counts: run the plan on the accelerator's host for that compiler's figure; on CPU a bfloat16 plan compiles
+in float32 (XLA:CPU would otherwise count float32 copies of every weight), an upper bound for bfloat16's.
+
+    plan = plan_generation(LLAMA3_8B, make_mesh(1, 8), batch_size=8, cache_length=4096, dtype=jnp.bfloat16)
+    plan.per_device["total_bytes"]
+
+What it covers: autoregressive generation (the target's weights, its KV cache and every temporary of the loop).
+Not yet: the speculative loops with a drafter, and a training step (optimizer state): `optimizer_bytes` is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import LLAMA3_8B, QWEN3_8B, ModelConfig
+from jaxspec.errors import UserError
+
+# Configs that need no file: `jaxspec plan --model llama3-8b`.
+BUILTIN_CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen3-8b": QWEN3_8B}
+
+# Memory per chip of common accelerators, for --hbm NAME.
+CHIP_MEMORY = {
+    "v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30,
+    "a100-40gb": 40 * 2**30, "a100-80gb": 80 * 2**30, "h100": 80 * 2**30, "h200": 141 * 2**30,
+}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """"16GiB", "80GB", "1.5TiB" or a chip name ("v5e", "h100"; `CHIP_MEMORY`) -> bytes."""
+    key = text.strip().lower()
+    if key in CHIP_MEMORY:
+        return CHIP_MEMORY[key]
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", key)
+    if not m or m.group(2) not in _UNITS:
+        raise UserError(f"Cannot read memory size '{text}': write e.g. 16GiB, 80GB, or a chip name "
+                        f"({', '.join(CHIP_MEMORY)}).")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def plan_config(name_or_path: str) -> ModelConfig:
+    """A model config without its weights: a built-in name (`BUILTIN_CONFIGS`), a Hugging Face config.json or the
+    folder holding one."""
+    if name_or_path in BUILTIN_CONFIGS:
+        return BUILTIN_CONFIGS[name_or_path]
+    if name_or_path.endswith(".json") or __import__("os").path.isdir(name_or_path):
+        return ModelConfig.from_hf_config(name_or_path)
+    raise UserError(f"jaxspec plan needs a config, not weights: '{name_or_path}' is neither a built-in name "
+                    f"({', '.join(BUILTIN_CONFIGS)}) nor a config.json or a folder holding one.")
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per-device figures of one compiled program. per_device: weights_bytes (this device's shards of the weights),
+    cache_bytes (its shard of the KV cache), optimizer_bytes (0: no training step planned), temp_bytes (XLA's
+    temporaries, the cache included, since the loop creates it), total_bytes (arguments + outputs + temporaries, as
+    XLA counts them); flops: XLA's cost analysis of the program per device, which counts a loop's body once: the
+    prefill plus one decoding step, not the whole generation."""
+
+    config: ModelConfig
+    mesh_shape: dict[str, int]
+    batch_size: int
+    cache_length: int
+    dtype: str
+    per_device: dict[str, int]
+    flops: float
+    hbm_bytes: int | None = None
+    compiled_dtype: str = "float32"  # the dtype the program was compiled in (float32 on CPU, see plan_generation)
+    platform: str = "cpu"  # whose compiler counted the temporaries
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes is None else self.per_device["total_bytes"] <= self.hbm_bytes
+
+    def suggestion(self) -> str:
+        """What to grow when it does not fit."""
+        pd = self.per_device
+        if pd["weights_bytes"] >= pd["total_bytes"] - pd["weights_bytes"]:
+            return ("the weights take most of it: grow the model axis (weights, heads and the FFN split over it), "
+                    "or use bfloat16")
+        return ("the cache and temporaries take most of it: grow the data axis (the batch splits over it), or plan "
+                "a smaller batch or cache length")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mesh": self.mesh_shape, "batch_size": self.batch_size, "cache_length": self.cache_length,
+                "dtype": self.dtype, "per_device": dict(self.per_device), "flops": self.flops,
+                "hbm_bytes": self.hbm_bytes, "fits": self.fits, "compiled_dtype": self.compiled_dtype,
+                "platform": self.platform}
+
+
+def _shard_bytes(abstract) -> int:
+    """Bytes one device holds of abstract arrays with shardings (the largest shard: they are equal here)."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: int, dtype=jnp.bfloat16,
+                    max_new_tokens: int | None = None, hbm_bytes: int | None = None) -> Plan:
+    """Compiles autoregressive generation for abstract inputs on `mesh` and returns its per-device plan.
+
+    Args:
+        cfg: the target's config; mesh: a (data, model) mesh (`jaxspec.sharding.make_mesh`).
+        batch_size: rows (split over the data axis); cache_length: KV cache slots per row (prompt + new tokens).
+        dtype: the weights' and cache's dtype. max_new_tokens: default a quarter of the cache, the rest prompt.
+        hbm_bytes: memory per device, to say whether it fits.
+    Raises:
+        UserError: a batch or model dimension the mesh does not divide, a cache too short.
+    """
+    from jaxspec.cache import init_cache
+    from jaxspec.generate import generate_tokens
+    from jaxspec.model import init_weights
+    from jaxspec.sampling import GREEDY
+    from jaxspec.sharding import batch_sharding, cache_shardings, check_divisible, replicated, weight_shardings
+
+    check_divisible(cfg, batch_size, mesh)
+    new = max_new_tokens if max_new_tokens is not None else max(cache_length // 4, 1)
+    prompt = cache_length - new
+    if prompt < 1:
+        raise UserError(f"A cache of {cache_length} slots leaves no room for a prompt before {new} new tokens.")
+
+    def place(abstract, shardings):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    def abstract(dt):
+        weights = jax.eval_shape(lambda k: init_weights(cfg, k, dtype=dt), jax.random.key(0))
+        cache = jax.eval_shape(lambda: init_cache(cfg, batch_size, cache_length, dt))
+        return place(weights, weight_shardings(weights, mesh)), place(cache, cache_shardings(cache, mesh))
+
+    weights, cache = abstract(dtype)
+    # XLA:CPU runs bfloat16 products by converting the weights to float32, and those copies would count as
+    # temporaries an accelerator never makes: on CPU the program is compiled in float32, whose temporaries bound
+    # a bfloat16 run's from above; the weights and the cache are counted in the dtype asked for
+    compiled_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
+    program_weights = weights if compiled_dtype == dtype else abstract(compiled_dtype)[0]
+    tokens = jax.ShapeDtypeStruct((batch_size, prompt), jnp.int32, sharding=batch_sharding(mesh, 2))
+    lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=batch_sharding(mesh, 1))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh))
+    compiled = generate_tokens.lower(program_weights, cfg, tokens, lengths, key, max_new_tokens=new,
+                                     cache_size=cache_length, sampling=GREEDY, eos_ids=(), mesh=mesh).compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    weights_bytes = _shard_bytes(weights)
+    arguments = memory.argument_size_in_bytes - _shard_bytes(program_weights) + weights_bytes
+    per_device = {
+        "weights_bytes": weights_bytes,
+        "cache_bytes": _shard_bytes(cache),
+        "optimizer_bytes": 0,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "total_bytes": int(arguments + memory.output_size_in_bytes + memory.temp_size_in_bytes
+                           - memory.alias_size_in_bytes),
+    }
+    return Plan(config=cfg, mesh_shape=dict(mesh.shape), batch_size=batch_size, cache_length=cache_length,
+                dtype=jnp.dtype(dtype).name, per_device=per_device, flops=float((cost or {}).get("flops", 0.0)),
+                hbm_bytes=hbm_bytes, compiled_dtype=jnp.dtype(compiled_dtype).name,
+                platform=jax.default_backend())
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the lines `jaxspec plan` prints."""
+    gib = 2.0 ** 30
+    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
+    pd = plan.per_device
+    lines = [f"{plan.config.architecture}, {plan.config.num_layers} layers, d={plan.config.hidden_size}, "
+             f"{plan.dtype}; mesh {mesh}; batch {plan.batch_size}; cache {plan.cache_length} slots",
+             "per device:",
+             f"  weights      {pd['weights_bytes'] / gib:9.3f} GiB",
+             f"  KV cache     {pd['cache_bytes'] / gib:9.3f} GiB   (part of the temporaries: the loop creates it)",
+             f"  optimizer    {pd['optimizer_bytes'] / gib:9.3f} GiB   (no training step planned)",
+             f"  temporaries  {pd['temp_bytes'] / gib:9.3f} GiB"
+             + (f"   (compiled in {plan.compiled_dtype} by the {plan.platform} compiler: an upper bound for "
+                f"{plan.dtype})" if plan.compiled_dtype != plan.dtype else ""),
+             f"  total        {pd['total_bytes'] / gib:9.3f} GiB",
+             f"  FLOPs        {plan.flops:.3g} (XLA's count: the prefill plus one decoding step)"]
+    if plan.hbm_bytes is not None:
+        if plan.fits:
+            lines.append(f"fits in {plan.hbm_bytes / gib:.1f} GiB per device "
+                         f"({pd['total_bytes'] / plan.hbm_bytes:.0%} used)")
+        else:
+            lines.append(f"does NOT fit in {plan.hbm_bytes / gib:.1f} GiB per device "
+                         f"({pd['total_bytes'] / plan.hbm_bytes:.0%}): {plan.suggestion()}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+FAKE_DEVICES_ENV = "JAXSPEC_PLAN_FAKE_DEVICES"  # set in the restarted process, so it never restarts twice
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="will a model's generation fit a mesh? per-device memory and FLOPs, compiled "
+                       "for abstract arrays (no weights read)")
+    p.add_argument("--model", required=True, help=f"a config: {', '.join(BUILTIN_CONFIGS)}, a Hugging Face "
+                   "config.json or a folder holding one (no weights needed)")
+    p.add_argument("--mesh", default="data=1,model=1", help="data=N,model=M (fake CPU devices when this machine "
+                   "has fewer)")
+    p.add_argument("--batch-size", type=int, default=1, help="rows (split over the data axis)")
+    p.add_argument("--cache-length", type=int, default=4096, help="KV cache slots per row: prompt + new tokens")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: a quarter of the cache")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights and cache")
+    p.add_argument("--hbm", default=None, help="memory per device (16GiB, 80GB, or a chip: "
+                   f"{', '.join(CHIP_MEMORY)}); exit status 2 when it does not fit")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def cmd_plan(args, argv: list[str]) -> int:
+    """Runs the plan; restarts itself with fake CPU devices when the mesh needs more than this machine has.
+    Returns the exit status: 0, or 2 when --hbm is given and it does not fit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from jaxspec.sharding import make_mesh, parse_mesh
+
+    data, model = parse_mesh(args.mesh)
+    hbm = parse_memory(args.hbm) if args.hbm else None
+    cfg = plan_config(args.model)
+    if jax.default_backend() == "cpu" and len(jax.devices()) < data * model:
+        if os.environ.get(FAKE_DEVICES_ENV):
+            raise UserError(f"The mesh needs {data * model} devices and only {len(jax.devices())} could be made.")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", **{FAKE_DEVICES_ENV: "1"})
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={data * model}"])
+        return subprocess.run([sys.executable, "-m", "jaxspec", *argv], env=env, check=False).returncode
+    mesh = make_mesh(data, model, jax.devices()[: data * model])
+    plan = plan_generation(cfg, mesh, batch_size=args.batch_size, cache_length=args.cache_length,
+                           dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
+                           max_new_tokens=args.max_new_tokens, hbm_bytes=hbm)
+    print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
+    return 2 if plan.fits is False else 0
+
+
+__all__ = ["BUILTIN_CONFIGS", "CHIP_MEMORY", "Plan", "add_plan_parser", "cmd_plan", "format_plan", "parse_memory",
+           "plan_config", "plan_generation"]

@@ -1,0 +1,119 @@
+"""`jaxspec plan` (jaxspec/plan.py): per-device memory of a generation compiled for abstract arrays on a mesh.
+
+The multi-device part runs in a child process with 8 fake CPU devices (tests/fake_devices.py): the plan's weight
+and cache bytes are compared with the arrays actually placed on that mesh the way generation places them."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from jaxspec.errors import UserError
+from jaxspec.plan import CHIP_MEMORY, Plan, parse_memory, plan_config
+
+NUM_FAKE_DEVICES = 8
+
+
+def test_memory_sizes_and_chips():
+    assert parse_memory("16GiB") == 16 * 2**30 and parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("1.5 KiB") == 1536 and parse_memory("v5e") == CHIP_MEMORY["v5e"]
+    with pytest.raises(UserError, match="Cannot read memory size"):
+        parse_memory("lots")
+
+
+def test_configs_without_weights(tmp_path):
+    from conftest import fixture_path
+
+    assert plan_config("llama3-8b").num_layers == 32
+    assert plan_config(fixture_path("tiny-llama3")).hidden_size == 64
+    with pytest.raises(UserError, match="neither a built-in name"):
+        plan_config("smollm2-135m")  # a name of weights, not of a config
+
+
+def test_the_suggestion_names_the_axis_that_holds_the_bulk():
+    from jaxspec.config import LLAMA3_8B
+
+    def plan(weights, temp):
+        return Plan(config=LLAMA3_8B, mesh_shape={"data": 1, "model": 1}, batch_size=1, cache_length=8,
+                    dtype="bfloat16", per_device={"weights_bytes": weights, "cache_bytes": 0, "optimizer_bytes": 0,
+                                                  "temp_bytes": temp, "total_bytes": weights + temp},
+                    flops=0.0, hbm_bytes=100)
+    assert plan(90, 5).fits and not plan(90, 20).fits
+    assert "grow the model axis" in plan(90, 20).suggestion()
+    assert "grow the data axis" in plan(20, 90).suggestion()
+
+
+def test_cli_restarts_itself_on_fake_devices_and_refuses_what_does_not_fit(capfd):
+    """On this 1-device process the command restarts itself with 2 fake devices; a plan over the budget exits 2
+    with its numbers and a suggestion."""
+    from conftest import fixture_path
+
+    from jaxspec.cli import main
+
+    tiny = fixture_path("tiny-llama3")
+    assert main(["plan", "--model", tiny, "--mesh", "data=1,model=2", "--batch-size", "2", "--cache-length", "64",
+                 "--dtype", "float32", "--hbm", "1KiB"]) == 2
+    out = capfd.readouterr().out
+    assert "mesh data=1 x model=2" in out and "does NOT fit in 0.0 GiB" in out and "grow the" in out
+    assert main(["plan", "--model", tiny, "--mesh", "data=2", "--batch-size", "2", "--cache-length", "64",
+                 "--json"]) == 0
+    plan = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert set(plan["per_device"]) == {"weights_bytes", "cache_bytes", "optimizer_bytes", "temp_bytes", "total_bytes"}
+    assert plan["mesh"] == {"data": 2, "model": 1} and plan["fits"] is None
+    assert main(["plan", "--model", tiny, "--mesh", "data=3", "--batch-size", "2"]) == 2  # 3 does not divide 2
+
+
+@pytest.fixture(scope="module")
+def child_results():
+    from fake_devices import run_child
+
+    return run_child(__file__, NUM_FAKE_DEVICES, timeout=600)
+
+
+def test_plan_agrees_with_the_arrays_generation_places(child_results):
+    for case in child_results["cases"]:
+        planned, placed = case["planned"], case["placed"]
+        assert planned["weights_bytes"] == pytest.approx(placed["weights_bytes"], rel=0.02), case["mesh"]
+        assert planned["cache_bytes"] == pytest.approx(placed["cache_bytes"], rel=0.02), case["mesh"]
+        assert planned["total_bytes"] >= planned["weights_bytes"] + planned["cache_bytes"]
+    # the model axis splits the weights: 4 model shards hold about a quarter of one shard's
+    by_mesh = {tuple(c["mesh"]): c["planned"] for c in child_results["cases"]}
+    assert by_mesh[(2, 4)]["weights_bytes"] < 0.4 * by_mesh[(8, 1)]["weights_bytes"]
+
+
+def _child() -> None:
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from conftest import fixture_path
+
+    from jaxspec.cache import init_cache
+    from jaxspec.model import init_weights
+    from jaxspec.plan import plan_generation
+    from jaxspec.sharding import make_mesh, place_inputs, shard_cache
+
+    # the tiny Llama-3 with 4 KV heads, so that a model axis of 4 splits them
+    cfg = dataclasses.replace(plan_config(fixture_path("tiny-llama3")), num_heads=8, num_kv_heads=4, head_dim=8)
+    weights = init_weights(cfg, jax.random.key(0), dtype=jnp.float32)
+
+    def per_device(tree):  # bytes of one device's shards
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+    cases = []
+    for data, model_axis in ((8, 1), (2, 4)):
+        mesh = make_mesh(data, model_axis)
+        plan = plan_generation(cfg, mesh, batch_size=8, cache_length=64, dtype=jnp.float32)
+        placed, _, _, _ = place_inputs(mesh, cfg, weights, np.zeros((8, 48), np.int32), np.full(8, 48, np.int32), 0)
+        cache = shard_cache(init_cache(cfg, 8, 64, jnp.float32), mesh)
+        cases.append({"mesh": [data, model_axis], "planned": plan.per_device,
+                      "placed": {"weights_bytes": per_device(placed), "cache_bytes": per_device(cache)}})
+    print(json.dumps({"cases": cases}))
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    _child()
