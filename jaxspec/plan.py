@@ -54,13 +54,22 @@ def parse_memory(text: str) -> int:
 
 def plan_config(name_or_path: str) -> ModelConfig:
     """A model config without its weights: a built-in name (`BUILTIN_CONFIGS`), a Hugging Face config.json or the
-    folder holding one."""
+    folder holding one, or a GGUF file or known model name (its metadata only; the tensors are not read)."""
+    import os
+
+    from jaxspec.loading import KNOWN_MODELS, resolve_model_path
+
     if name_or_path in BUILTIN_CONFIGS:
         return BUILTIN_CONFIGS[name_or_path]
-    if name_or_path.endswith(".json") or __import__("os").path.isdir(name_or_path):
+    if name_or_path.endswith(".json") or os.path.isdir(name_or_path):
         return ModelConfig.from_hf_config(name_or_path)
-    raise UserError(f"jaxspec plan needs a config, not weights: '{name_or_path}' is neither a built-in name "
-                    f"({', '.join(BUILTIN_CONFIGS)}) nor a config.json or a folder holding one.")
+    if name_or_path.endswith(".gguf") or name_or_path in KNOWN_MODELS:
+        import gguf
+
+        return ModelConfig.from_gguf(gguf.GGUFReader(resolve_model_path(name_or_path)))
+    raise UserError(f"jaxspec plan needs a model config: '{name_or_path}' is neither a built-in name "
+                    f"({', '.join(BUILTIN_CONFIGS)}), a known model ({', '.join(KNOWN_MODELS)}), a .gguf file, nor "
+                    "a config.json or a folder holding one.")
 
 
 @dataclasses.dataclass
@@ -81,6 +90,7 @@ class Plan:
     hbm_bytes: int | None = None
     compiled_dtype: str = "float32"  # the dtype the program was compiled in (float32 on CPU, see plan_generation)
     platform: str = "cpu"  # whose compiler counted the temporaries
+    program: str = "generation"  # what was compiled: "generation" or "one METHOD training step"
 
     @property
     def fits(self) -> bool | None:
@@ -96,8 +106,9 @@ class Plan:
                 "a smaller batch or cache length")
 
     def to_json(self) -> dict[str, Any]:
-        return {"mesh": self.mesh_shape, "batch_size": self.batch_size, "cache_length": self.cache_length,
-                "dtype": self.dtype, "per_device": dict(self.per_device), "flops": self.flops,
+        return {"program": self.program, "mesh": self.mesh_shape, "batch_size": self.batch_size,
+                "cache_length": self.cache_length, "dtype": self.dtype, "per_device": dict(self.per_device),
+                "flops": self.flops,
                 "hbm_bytes": self.hbm_bytes, "fits": self.fits, "compiled_dtype": self.compiled_dtype,
                 "platform": self.platform}
 
@@ -174,22 +185,102 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
                 platform=jax.default_backend())
 
 
+def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
+    """One drafter training step (`jaxspec.training.distill.make_train_step`, the target run inside the step) for a
+    training config, compiled for abstract arrays with the shardings the trainer gives them (drafter, optimizer
+    state and frozen target replicated; the batch split over the data axis): per device, the target's weights,
+    the drafter's parameters and optimizer state (`optimizer_bytes`: both), temporaries and total.
+
+    Args:
+        config: a `TrainConfig` (`jaxspec.training.config`); mesh: a (data, model) mesh (the trainer uses data).
+    """
+    import types
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxspec.config_files import from_dict
+    from jaxspec.model import init_weights
+    from jaxspec.sharding import DATA
+    from jaxspec.training.config import make_optimizer
+    from jaxspec.training.distill import make_train_step, trainable_for
+
+    cfg = plan_config(config.target)
+    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    compiled_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
+    trainable = trainable_for(config.method)
+    method_cfg = from_dict(trainable.config_cls, {**(trainable.config_defaults or {}), **dict(config.drafter)},
+                           path="drafter")
+    method_cfg = method_cfg.for_target(cfg) if hasattr(method_cfg, "for_target") else method_cfg
+    b, s = config.run.batch_size, config.data.seq_len
+    if b % mesh.shape[DATA]:
+        raise UserError(f"run.batch_size={b} is not a multiple of the data axis ({mesh.shape[DATA]}).")
+    replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(DATA))
+
+    def place(tree, sharding):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+    def target_weights(dt):
+        return place(jax.eval_shape(lambda k: init_weights(cfg, k, dtype=dt), jax.random.key(0)), replicated)
+
+    weights = target_weights(dtype)
+    program_weights = weights if compiled_dtype == dtype else target_weights(compiled_dtype)
+    key = jax.random.key(0)
+    params = jax.eval_shape(lambda w: trainable.init_params(method_cfg, types.SimpleNamespace(config=cfg, weights=w),
+                                                            key), program_weights)
+    optimizer = make_optimizer(config.optim, config.run.steps)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    params, opt_state = place(params, replicated), place(opt_state, replicated)
+    layers = tuple(trainable.target_layers(method_cfg, cfg))
+    step = jax.jit(make_train_step(trainable, method_cfg, cfg, config.loss, optimizer, layers),
+                   donate_argnums=(0, 1))
+    tokens = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=rows)
+    abstract_key = jax.eval_shape(lambda: jax.random.key(0))
+    abstract_key = jax.ShapeDtypeStruct(abstract_key.shape, abstract_key.dtype, sharding=replicated)
+    compiled = step.lower(params, opt_state, program_weights, tokens, mask, abstract_key, None).compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    weights_bytes = _shard_bytes(weights)
+    arguments = memory.argument_size_in_bytes - _shard_bytes(program_weights) + weights_bytes
+    per_device = {
+        "weights_bytes": weights_bytes,
+        "cache_bytes": 0,
+        "optimizer_bytes": _shard_bytes(params) + _shard_bytes(opt_state),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "total_bytes": int(arguments + memory.output_size_in_bytes + memory.temp_size_in_bytes
+                           - memory.alias_size_in_bytes),
+    }
+    return Plan(config=cfg, mesh_shape=dict(mesh.shape), batch_size=b, cache_length=s, dtype=jnp.dtype(dtype).name,
+                per_device=per_device, flops=float((cost or {}).get("flops", 0.0)), hbm_bytes=hbm_bytes,
+                compiled_dtype=jnp.dtype(compiled_dtype).name, platform=jax.default_backend(),
+                program=f"one {config.method} training step")
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as the lines `jaxspec plan` prints."""
     gib = 2.0 ** 30
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
     pd = plan.per_device
-    lines = [f"{plan.config.architecture}, {plan.config.num_layers} layers, d={plan.config.hidden_size}, "
-             f"{plan.dtype}; mesh {mesh}; batch {plan.batch_size}; cache {plan.cache_length} slots",
+    training = plan.program != "generation"
+    length = f"sequences of {plan.cache_length} tokens" if training else f"cache {plan.cache_length} slots"
+    lines = [f"{plan.program}: {plan.config.architecture}, {plan.config.num_layers} layers, "
+             f"d={plan.config.hidden_size}, {plan.dtype}; mesh {mesh}; batch {plan.batch_size}; {length}",
              "per device:",
-             f"  weights      {pd['weights_bytes'] / gib:9.3f} GiB",
-             f"  KV cache     {pd['cache_bytes'] / gib:9.3f} GiB   (part of the temporaries: the loop creates it)",
-             f"  optimizer    {pd['optimizer_bytes'] / gib:9.3f} GiB   (no training step planned)",
+             f"  weights      {pd['weights_bytes'] / gib:9.3f} GiB" + ("   (the frozen target, replicated)"
+                                                                       if training else ""),
+             f"  KV cache     {pd['cache_bytes'] / gib:9.3f} GiB" + ("" if training else
+                                                                       "   (part of the temporaries: the loop "
+                                                                       "creates it)"),
+             f"  optimizer    {pd['optimizer_bytes'] / gib:9.3f} GiB" + ("   (the drafter's parameters and "
+                                                                         "optimizer state)" if training else
+                                                                         "   (no training step planned)"),
              f"  temporaries  {pd['temp_bytes'] / gib:9.3f} GiB"
              + (f"   (compiled in {plan.compiled_dtype} by the {plan.platform} compiler: an upper bound for "
                 f"{plan.dtype})" if plan.compiled_dtype != plan.dtype else ""),
              f"  total        {pd['total_bytes'] / gib:9.3f} GiB",
-             f"  FLOPs        {plan.flops:.3g} (XLA's count: the prefill plus one decoding step)"]
+             f"  FLOPs        {plan.flops:.3g}" + (" per step" if training else
+                                                   " (XLA's count: the prefill plus one decoding step)")]
     if plan.hbm_bytes is not None:
         if plan.fits:
             lines.append(f"fits in {plan.hbm_bytes / gib:.1f} GiB per device "
@@ -209,8 +300,10 @@ FAKE_DEVICES_ENV = "JAXSPEC_PLAN_FAKE_DEVICES"  # set in the restarted process, 
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="will a model's generation fit a mesh? per-device memory and FLOPs, compiled "
                        "for abstract arrays (no weights read)")
-    p.add_argument("--model", required=True, help=f"a config: {', '.join(BUILTIN_CONFIGS)}, a Hugging Face "
-                   "config.json or a folder holding one (no weights needed)")
+    p.add_argument("--model", help=f"a config: {', '.join(BUILTIN_CONFIGS)}, a Hugging Face config.json or a "
+                   "folder holding one, a .gguf file or a known model name (no weights are read)")
+    p.add_argument("--train-config", default=None, help="plan one training step of this drafter training config "
+                   "(its target, batch and sequence length) instead of generation")
     p.add_argument("--mesh", default="data=1,model=1", help="data=N,model=M (fake CPU devices when this machine "
                    "has fewer)")
     p.add_argument("--batch-size", type=int, default=1, help="rows (split over the data axis)")
@@ -234,7 +327,10 @@ def cmd_plan(args, argv: list[str]) -> int:
 
     data, model = parse_mesh(args.mesh)
     hbm = parse_memory(args.hbm) if args.hbm else None
-    cfg = plan_config(args.model)
+    if (args.model is None) == (args.train_config is None):
+        raise UserError("jaxspec plan needs --model (a generation) or --train-config (a training step), not both.")
+    if args.model:
+        cfg = plan_config(args.model)
     if jax.default_backend() == "cpu" and len(jax.devices()) < data * model:
         if os.environ.get(FAKE_DEVICES_ENV):
             raise UserError(f"The mesh needs {data * model} devices and only {len(jax.devices())} could be made.")
@@ -243,12 +339,18 @@ def cmd_plan(args, argv: list[str]) -> int:
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={data * model}"])
         return subprocess.run([sys.executable, "-m", "jaxspec", *argv], env=env, check=False).returncode
     mesh = make_mesh(data, model, jax.devices()[: data * model])
-    plan = plan_generation(cfg, mesh, batch_size=args.batch_size, cache_length=args.cache_length,
-                           dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
-                           max_new_tokens=args.max_new_tokens, hbm_bytes=hbm)
+    if args.train_config:
+        from jaxspec.config_files import load_config
+        from jaxspec.training.config import TrainConfig
+
+        plan = plan_training(load_config(args.train_config, TrainConfig), mesh, hbm_bytes=hbm)
+    else:
+        plan = plan_generation(cfg, mesh, batch_size=args.batch_size, cache_length=args.cache_length,
+                               dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
+                               max_new_tokens=args.max_new_tokens, hbm_bytes=hbm)
     print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
     return 2 if plan.fits is False else 0
 
 
 __all__ = ["BUILTIN_CONFIGS", "CHIP_MEMORY", "Plan", "add_plan_parser", "cmd_plan", "format_plan", "parse_memory",
-           "plan_config", "plan_generation"]
+           "plan_config", "plan_generation", "plan_training"]

