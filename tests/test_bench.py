@@ -243,3 +243,18 @@ def test_pipeline_rows_report_equivalent_acceptance(tiny_llama3):
     assert rows["spd"]["theoretical_speedup"] == pytest.approx(rows["spd"]["equivalent_acceptance"])
     l_acc = rows["ppsd"]["equivalent_acceptance"]
     assert rows["ppsd"]["theoretical_speedup"] == pytest.approx(l_acc * 3 / (1 * 3 + 3))
+
+
+def test_device_check_script_runs_on_cpu_with_tiny_settings(cli_smollm2, tmp_path):
+    """benchmarks/accelerator.py (issue 19's device check) in its --tiny CPU mode, so that it never rots: the bench
+    runs and accelerator.md holds one row per method and batch size, each greedy-identical to autoregressive."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "accelerator.py")
+    spec = importlib.util.spec_from_file_location("accelerator", path)
+    accelerator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accelerator)
+    assert accelerator.main(["--tiny", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "accelerator.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [(r.split("|")[1].strip().split()[0], r.split("|")[2].strip()) for r in rows] == [
+        ("autoregressive", "1"), ("prompt-lookup", "1"), ("autoregressive", "2"), ("prompt-lookup", "2")]
+    assert all(r.rstrip(" |").endswith("yes") for r in rows)
