@@ -82,8 +82,12 @@ def check_mesh_arg(args) -> None:
 
 def initialize_distributed(args) -> None:
     """--distributed: joins the multi-host run before anything touches the devices (a no-op when already joined)."""
-    if not getattr(args, "distributed", False):
-        return
+    if getattr(args, "distributed", False):
+        join_distributed()
+
+
+def join_distributed() -> None:
+    """Joins the multi-host run (`jax.distributed.initialize`) unless already joined; UserError if it cannot."""
     import jax
 
     if jax.distributed.is_initialized():
@@ -95,7 +99,7 @@ def initialize_distributed(args) -> None:
                                                               ("JAX_PROCESS_ID", "process_id")) if name in os.environ}
         jax.distributed.initialize(**counts)
     except (ValueError, TypeError, RuntimeError) as e:
-        raise UserError(f"--distributed: jax.distributed.initialize() failed ({' '.join(str(e).split())}); on a "
+        raise UserError(f"jax.distributed.initialize() failed ({' '.join(str(e).split())}); on a "
                         "TPU pod, under SLURM or Open MPI it finds the other hosts itself; elsewhere set "
                         "JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on "
                         "every host.") from None

@@ -166,11 +166,34 @@ def _global_batch(array: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+def local_rows(sharding, batch_size: int, axis: int = 0, ndim: int = 1) -> np.ndarray:
+    """int64[r]: the global batch rows the devices of this process hold under `sharding` (rows split along `axis`
+    of an `ndim`-dimensional array), in increasing order."""
+    shape = tuple(batch_size if i == axis else 1 for i in range(ndim))
+    indices = sharding.addressable_devices_indices_map(shape).values()
+    return np.unique(np.concatenate([np.arange(batch_size)[index[axis]] for index in indices]))
+
+
+def _global_rows(local: np.ndarray, rows: np.ndarray, shape: tuple[int, ...], sharding, axis: int) -> jax.Array:
+    """A global array of `shape` sharded over the data axis from this process's `rows` only: local holds them
+    along `axis` (in `rows`' order); no process needs the others' rows."""
+    where = {int(r): i for i, r in enumerate(rows)}
+
+    def part(index):
+        wanted = [where[int(r)] for r in np.arange(shape[axis])[index[axis]]]
+        picked = np.take(local, wanted, axis=axis)
+        return picked[tuple(slice(None) if i == axis else index[i] for i in range(len(shape)))]
+
+    return jax.make_array_from_callback(shape, sharding, part)
+
+
 def maybe_initialize_distributed() -> None:
     """Multi-host runs (TPU pods, several GPU hosts): `jax.distributed.initialize()` when the environment asks
     for it (JAX_COORDINATOR_ADDRESS set, or JAXSPEC_DISTRIBUTED=1 on a TPU pod where JAX finds the rest)."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("JAXSPEC_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
+        from jaxspec.arguments import join_distributed
+
+        join_distributed()  # the process count and id from JAX_NUM_PROCESSES and JAX_PROCESS_ID where set
 
 
 def _initial_params(directory: str, method: str, method_cfg, target, params):
@@ -207,9 +230,11 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     dataset.check_target(target.fingerprint())
 
     run = config.run
+    main_process = jax.process_index() == 0  # on many hosts, files are written once (checkpoints: by Orbax)
     os.makedirs(run.out_dir, exist_ok=True)
-    with open(os.path.join(run.out_dir, "config.json"), "w") as f:
-        json.dump(to_dict(config), f, indent=2)
+    if main_process:
+        with open(os.path.join(run.out_dir, "config.json"), "w") as f:
+            json.dump(to_dict(config), f, indent=2)
     if hasattr(method_cfg, "for_target"):  # settings whose defaults depend on the target (EAGLE-3's layers)
         method_cfg = method_cfg.for_target(target.config)
     key = jax.random.key(run.seed)
@@ -274,10 +299,14 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
         batch = next(batches)
         tokens, loss_mask = (_global_batch(batch[name], batch_sharded) for name in ("tokens", "loss_mask"))
         cached = None
-        if saved_features:
-            feats = dataset.features(batch["indices"], (*layers, last_layer), config.data.seq_len)  # [n+1, B, S, d]
-            cached = (_global_batch(feats[-1], batch_sharded),
-                      _global_batch(feats[:-1], cached_shardings[1]) if layers else None)
+        if saved_features:  # each process reads the features of the rows its devices hold, no others
+            rows = local_rows(batch_sharded, run.batch_size)
+            feats = dataset.features(np.asarray(batch["indices"])[rows], (*layers, last_layer),
+                                     config.data.seq_len)  # [n+1, r, S, d]
+            n, _, s, d = feats.shape
+            cached = (_global_rows(feats[-1], rows, (run.batch_size, s, d), batch_sharded, 0),
+                      _global_rows(feats[:-1], rows, (n - 1, run.batch_size, s, d), cached_shardings[1], 1)
+                      if layers else None)
         elif cache is not None:
             rows = np.asarray(batch["indices"])
             cached = (_global_batch(np.asarray(cache["last_hidden"][rows]), batch_sharded),
@@ -292,8 +321,9 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
             record = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
             elapsed = time.perf_counter() - started
             record.update(step=step, tokens_per_second=tokens_seen / elapsed, data_position=position)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            if main_process:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:.0f}")
         # saved before the evaluation, so a failing evaluation loses no training
@@ -301,9 +331,10 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
                           force=step == run.steps)
         if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
             eval_prompts = dataset.held_out_prompts(held_out)[: run.eval_prompts]
-            tau_value = evaluate_tau(trainable, method_cfg, params, target, eval_prompts)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "eval_tau": tau_value}) + "\n")
+            tau_value = evaluate_tau(trainable, method_cfg, _this_process(params), target, eval_prompts)
+            if main_process:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": step, "eval_tau": tau_value}) + "\n")
             if bar is not None:
                 bar.write(f"step {step}: tau {tau_value:.3f} on {len(eval_prompts)} held-out prompts")
         if bar is not None:
@@ -316,13 +347,23 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     summary = {"steps": step, "data_position": position, "out_dir": run.out_dir}
     if step >= run.steps:
         drafter_dir = os.path.join(run.out_dir, "drafter")
-        save_drafter(drafter_dir, method=config.method, drafter_config=to_dict(method_cfg), params=params,
-                     target_fingerprint=target.fingerprint(), target_source=target.source)
-        plot_loss_curve(metrics_path, os.path.join(run.out_dir, "loss.png"))
+        if main_process:
+            save_drafter(drafter_dir, method=config.method, drafter_config=to_dict(method_cfg),
+                         params=_this_process(params), target_fingerprint=target.fingerprint(),
+                         target_source=target.source)
+            plot_loss_curve(metrics_path, os.path.join(run.out_dir, "loss.png"))
         summary["drafter"] = drafter_dir
     checkpointer.close()
     summary["params"] = params
     return summary
+
+
+def _this_process(params):
+    """Replicated parameters as arrays on this process's first device (on many hosts a replicated global array
+    spans devices this process cannot read; every process holds a full copy)."""
+    if jax.process_count() == 1:
+        return params
+    return jax.tree.map(lambda x: x.addressable_data(0), params)
 
 
 def evaluate_tau(trainable, method_cfg, params, target, prompts: list[list[int]]) -> float:

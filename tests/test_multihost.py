@@ -1,0 +1,130 @@
+"""Multi-host drafter training, simulated: two processes on this machine, each with 2 fake CPU devices, joined by
+`jax.distributed` on 127.0.0.1 (CPU collectives over gloo), train a Medusa drafter data-parallel over a mesh of 4
+devices and end with the parameters one process with 4 devices gets; each process reads the saved features of its
+own rows only, and the run's files are written once.
+
+The processes run this file with `--child` (their settings in the environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(data: str, out_dir: str) -> dict:
+    from conftest import fixture_path
+
+    return {"method": "medusa", "target": fixture_path("tiny-llama3"), "dtype": "float32",
+            "data": {"path": data, "seq_len": 32, "eval_holdout": 4},
+            "optim": {"learning_rate": 3e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},
+            "loss": {"kind": "forward_kl", "position_decay": 0.8},
+            "run": {"steps": 3, "batch_size": 4, "seed": 0, "out_dir": out_dir, "save_every": 1,
+                    "keep_checkpoints": 2, "eval_every": 3, "eval_prompts": 2, "log_every": 1},
+            "mesh": {"data": 4},
+            "drafter": {"num_heads": 2, "choices": [[0], [1], [0, 0]], "positions_per_row": 8}}
+
+
+def _run(config: dict, out: str, processes: int, tmp_path) -> list[dict]:
+    path = tmp_path / f"{os.path.basename(out)}.json"
+    path.write_text(json.dumps(config))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), *filter(None, [os.environ.get(
+                   "PYTHONPATH")])]))
+    if processes > 1:
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAX_NUM_PROCESSES=str(processes),
+                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    # output to files, not pipes: a child blocked on a full pipe would never reach the others' shutdown barrier
+    logs = [(open(f"{out}.{i}.out", "w+"), open(f"{out}.{i}.err", "w+")) for i in range(processes)]
+    children = [subprocess.Popen([sys.executable, __file__, "--child", str(path), out],
+                                 env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT, stdout=logs[i][0], stderr=logs[i][1])
+                for i in range(processes)]
+    results = []
+    for child, (stdout, stderr) in zip(children, logs):
+        child.wait(timeout=600)
+        stdout.seek(0)
+        stderr.seek(0)
+        out_text, err_text = stdout.read(), stderr.read()
+        stdout.close()
+        stderr.close()
+        assert child.returncode == 0, f"child failed:\n{out_text[-3000:]}\n{err_text[-3000:]}"
+        results.append(json.loads(out_text.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def data_with_features(tmp_path_factory):
+    from conftest import fixture_path
+
+    from jaxspec import load_model
+    from jaxspec.data import regenerate_ids
+
+    target = load_model(fixture_path("tiny-llama3"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, size=int(rng.integers(4, 12))).tolist() for _ in range(20)]
+    out = str(tmp_path_factory.mktemp("regen"))
+    regenerate_ids(target, prompts, out, max_prompt_tokens=16, max_new_tokens=20, batch_size=5, shard_size=10,
+                   progress=False, feature_layers=(2,))  # the last layer: what Medusa trains on
+    return out
+
+
+def test_two_processes_train_like_one(data_with_features, tmp_path):
+    one = _run(_config(data_with_features, str(tmp_path / "one")), str(tmp_path / "one"), 1, tmp_path)
+    two = _run(_config(data_with_features, str(tmp_path / "two")), str(tmp_path / "two"), 2, tmp_path)
+    assert [r["processes"] for r in one + two] == [1, 2, 2] and all(r["devices"] == 4 for r in one + two)
+    for a, b, c in zip(one[0]["params"], two[0]["params"], two[1]["params"], strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))  # every process holds the same copy
+    # each process read the saved features of 2 of the 4 rows of every batch (its 2 devices' rows); one read all
+    assert one[0]["feature_rows_read"] == [4, 4, 4]
+    assert two[0]["feature_rows_read"] == two[1]["feature_rows_read"] == [2, 2, 2]
+    # the run's files written once: 3 loss records and one evaluation, a drafter
+    records = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 4 and (tmp_path / "two" / "drafter" / "params.safetensors").exists()
+    assert two[0]["eval_tau"] == one[0]["eval_tau"] and two[1]["eval_tau"] is None
+
+
+def _child(config_path: str, out: str) -> None:
+    import jax
+
+    from jaxspec.config_files import from_dict
+    from jaxspec.data import RegeneratedDataset
+    from jaxspec.training.config import TrainConfig
+    from jaxspec.training.distill import maybe_initialize_distributed, train
+
+    maybe_initialize_distributed()
+    rows_read = []
+    features = RegeneratedDataset.features
+
+    def counting(self, indices, layers, seq_len):
+        rows_read.append(len(indices))
+        return features(self, indices, layers, seq_len)
+
+    RegeneratedDataset.features = counting
+    with open(config_path) as f:
+        config = from_dict(TrainConfig, json.load(f))
+    summary = train(config, progress=False)
+    tau = None
+    if jax.process_index() == 0:  # the only writer of the run's files
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            tau = [json.loads(line).get("eval_tau") for line in f if "eval_tau" in line][0]
+    params = [np.asarray(x.addressable_data(0)).tolist() for x in jax.tree.leaves(summary["params"])]
+    print(json.dumps({"processes": jax.process_count(), "devices": len(jax.devices()),
+                      "feature_rows_read": rows_read, "params": params, "eval_tau": tau}))
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child(*sys.argv[sys.argv.index("--child") + 1:])
