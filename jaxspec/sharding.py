@@ -225,14 +225,34 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     return _named(mesh, cache_specs(cache))
 
 
+def put_on_mesh(tree, shardings):
+    """`jax.device_put(tree, shardings)` that also works on many hosts: there a sharding spans devices of other
+    processes, which device_put refuses for host-local values, so each process builds the global arrays from its
+    own full copy (`jax.make_array_from_callback`, every host holding the same values: weights loaded on each, a
+    key from the same seed). PRNG key arrays go through their key data."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    import numpy as np
+
+    def put(x, sharding):
+        if sharding is None:
+            return x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+        value = np.asarray(x)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
 def shard_weights(weights: Weights, mesh: Mesh) -> Weights:
     """Places `weights` on the mesh (each device receives only its shards)."""
-    return jax.device_put(weights, weight_shardings(weights, mesh))
+    return put_on_mesh(weights, weight_shardings(weights, mesh))
 
 
 def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
     """Places `cache` on the mesh."""
-    return jax.device_put(cache, cache_shardings(cache, mesh))
+    return put_on_mesh(cache, cache_shardings(cache, mesh))
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -336,13 +356,13 @@ def place_inputs(mesh: Mesh | None, cfg: ModelConfig, weights: Weights, tokens, 
         weights = weights if stacked else execution_weights(weights)
         return weights, jax.numpy.asarray(tokens), jax.numpy.asarray(lengths), rng
     check_divisible(cfg, len(lengths), mesh)
-    weights = jax.device_put(weights, weight_shardings(weights, mesh))
+    weights = put_on_mesh(weights, weight_shardings(weights, mesh))
 
     def rows(array):  # every host passes the full batch; each device takes its rows (works across hosts)
         array = np.asarray(array)
         return jax.make_array_from_callback(array.shape, batch_sharding(mesh, array.ndim), lambda index: array[index])
 
-    return weights, rows(tokens), rows(lengths), jax.device_put(rng, replicated(mesh))
+    return weights, rows(tokens), rows(lengths), put_on_mesh(rng, replicated(mesh))
 
 
 def replicate_on_mesh(mesh: Mesh | None, tree):
@@ -355,7 +375,7 @@ def replicate_on_mesh(mesh: Mesh | None, tree):
     def place(x):
         if isinstance(x, jax.Array) and x.sharding.device_set == devices:
             return x
-        return jax.device_put(x, replicated(mesh))
+        return put_on_mesh(x, replicated(mesh))
 
     return jax.tree.map(place, tree)
 

@@ -1,7 +1,8 @@
-"""Multi-host drafter training, simulated: two processes on this machine, each with 2 fake CPU devices, joined by
-`jax.distributed` on 127.0.0.1 (CPU collectives over gloo), train a Medusa drafter data-parallel over a mesh of 4
-devices and end with the parameters one process with 4 devices gets; each process reads the saved features of its
-own rows only, and the run's files are written once.
+"""Multiple hosts, simulated: two processes on this machine, each with 2 fake CPU devices, joined by
+`jax.distributed` on 127.0.0.1 (CPU collectives over gloo). They train a Medusa drafter data-parallel over a mesh
+of 4 devices and end with the parameters one process with 4 devices gets (each process reading the saved features
+of its own rows only, the run's files written once), and they decode speculatively on a data=4 mesh to the tokens
+one process gets.
 
 The processes run this file with `--child` (their settings in the environment)."""
 
@@ -38,7 +39,9 @@ def _config(data: str, out_dir: str) -> dict:
             "drafter": {"num_heads": 2, "choices": [[0], [1], [0, 0]], "positions_per_row": 8}}
 
 
-def _run(config: dict, out: str, processes: int, tmp_path) -> list[dict]:
+def _run(config: dict | None, out: str, processes: int, tmp_path) -> list[dict]:
+    """Runs this file's child in `processes` processes over 4 devices in all: training with `config`, or (None) the
+    generation of `_child_generate`. Returns each process's JSON."""
     path = tmp_path / f"{os.path.basename(out)}.json"
     path.write_text(json.dumps(config))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -50,7 +53,8 @@ def _run(config: dict, out: str, processes: int, tmp_path) -> list[dict]:
                    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     # output to files, not pipes: a child blocked on a full pipe would never reach the others' shutdown barrier
     logs = [(open(f"{out}.{i}.out", "w+"), open(f"{out}.{i}.err", "w+")) for i in range(processes)]
-    children = [subprocess.Popen([sys.executable, __file__, "--child", str(path), out],
+    children = [subprocess.Popen([sys.executable, __file__, "--child", "train" if config else "generate", str(path),
+                                  out],
                                  env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT, stdout=logs[i][0], stderr=logs[i][1])
                 for i in range(processes)]
     results = []
@@ -98,6 +102,35 @@ def test_two_processes_train_like_one(data_with_features, tmp_path):
     assert two[0]["eval_tau"] == one[0]["eval_tau"] and two[1]["eval_tau"] is None
 
 
+def test_speculative_generation_across_two_processes_equals_one(tmp_path):
+    """Autoregressive decoding, prompt lookup and EAGLE-3 (an untrained head) on a data=4 mesh spanning two
+    processes give the tokens one 4-device process gives (which are autoregressive decoding's)."""
+    one = _run(None, str(tmp_path / "gen-one"), 1, tmp_path)
+    two = _run(None, str(tmp_path / "gen-two"), 2, tmp_path)
+    assert one[0]["tokens"] == two[0]["tokens"] == two[1]["tokens"]
+    assert one[0]["tokens"]["prompt-lookup"] == one[0]["tokens"]["eagle3"] == one[0]["tokens"]["autoregressive"]
+
+
+def _child_generate() -> None:
+    import jax
+    from conftest import fixture_path
+
+    from jaxspec import load_model
+    from jaxspec.arguments import join_distributed
+    from jaxspec.methods import MethodOptions, build_method
+
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        join_distributed()
+    target = load_model(fixture_path("tiny-llama3"))
+    prompts = [[5, 9, 33, 2], list(range(40, 58)), [7, 8], [100, 101, 102, 103, 104]]
+    tokens = {}
+    for name in ("autoregressive", "prompt-lookup", "eagle3"):
+        method = build_method(name, target, MethodOptions(mesh="data=4",
+                                                          drafter="untrained" if name == "eagle3" else None))
+        tokens[name] = method.generate(prompts, max_new_tokens=12, eos_ids=()).token_ids
+    print(json.dumps({"process": jax.process_index(), "tokens": tokens}))
+
+
 def _child(config_path: str, out: str) -> None:
     import jax
 
@@ -127,4 +160,8 @@ def _child(config_path: str, out: str) -> None:
                       "feature_rows_read": rows_read, "params": params, "eval_tau": tau}))
 
 if __name__ == "__main__" and "--child" in sys.argv:
-    _child(*sys.argv[sys.argv.index("--child") + 1:])
+    mode, *rest = sys.argv[sys.argv.index("--child") + 1:]
+    if mode == "train":
+        _child(*rest)
+    else:
+        _child_generate()
