@@ -122,6 +122,36 @@ def _shard_bytes(abstract) -> int:
     return total
 
 
+def _compiled_dtype(dtype):
+    """The dtype a plan compiles in: float32 on CPU (XLA:CPU would count float32 copies of bfloat16 weights as
+    temporaries; the float32 program's bound a bfloat16 run's from above), the asked dtype elsewhere."""
+    return jnp.float32 if jax.default_backend() == "cpu" else dtype
+
+
+def _abstract_key(sharding) -> jax.ShapeDtypeStruct:
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding)
+
+
+def _measure(compiled, weights, program_weights, *, cache_bytes: int, optimizer_bytes: int) -> tuple[dict, float]:
+    """(per_device, flops) of a compiled program whose arguments held `program_weights`; the weights are counted
+    in the dtype asked for (`weights`), the rest as XLA counts it."""
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    weights_bytes = _shard_bytes(weights)
+    arguments = memory.argument_size_in_bytes - _shard_bytes(program_weights) + weights_bytes
+    per_device = {
+        "weights_bytes": weights_bytes,
+        "cache_bytes": cache_bytes,
+        "optimizer_bytes": optimizer_bytes,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "total_bytes": int(arguments + memory.output_size_in_bytes + memory.temp_size_in_bytes
+                           - memory.alias_size_in_bytes),
+    }
+    return per_device, float((cost or {}).get("flops", 0.0))
+
+
 def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: int, dtype=jnp.bfloat16,
                     max_new_tokens: int | None = None, hbm_bytes: int | None = None) -> Plan:
     """Compiles autoregressive generation for abstract inputs on `mesh` and returns its per-device plan.
@@ -155,34 +185,19 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
         return place(weights, weight_shardings(weights, mesh)), place(cache, cache_shardings(cache, mesh))
 
     weights, cache = abstract(dtype)
-    # XLA:CPU runs bfloat16 products by converting the weights to float32, and those copies would count as
-    # temporaries an accelerator never makes: on CPU the program is compiled in float32, whose temporaries bound
-    # a bfloat16 run's from above; the weights and the cache are counted in the dtype asked for
-    compiled_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
+    # the program compiles in _compiled_dtype; the weights and the cache are counted in the dtype asked for
+    compiled_dtype = _compiled_dtype(dtype)
     program_weights = weights if compiled_dtype == dtype else abstract(compiled_dtype)[0]
     tokens = jax.ShapeDtypeStruct((batch_size, prompt), jnp.int32, sharding=batch_sharding(mesh, 2))
     lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=batch_sharding(mesh, 1))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh))
+    key = _abstract_key(replicated(mesh))
     compiled = generate_tokens.lower(program_weights, cfg, tokens, lengths, key, max_new_tokens=new,
                                      cache_size=cache_length, sampling=GREEDY, eos_ids=(), mesh=mesh).compile()
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    weights_bytes = _shard_bytes(weights)
-    arguments = memory.argument_size_in_bytes - _shard_bytes(program_weights) + weights_bytes
-    per_device = {
-        "weights_bytes": weights_bytes,
-        "cache_bytes": _shard_bytes(cache),
-        "optimizer_bytes": 0,
-        "temp_bytes": int(memory.temp_size_in_bytes),
-        "total_bytes": int(arguments + memory.output_size_in_bytes + memory.temp_size_in_bytes
-                           - memory.alias_size_in_bytes),
-    }
+    per_device, flops = _measure(compiled, weights, program_weights, cache_bytes=_shard_bytes(cache),
+                                 optimizer_bytes=0)
     return Plan(config=cfg, mesh_shape=dict(mesh.shape), batch_size=batch_size, cache_length=cache_length,
-                dtype=jnp.dtype(dtype).name, per_device=per_device, flops=float((cost or {}).get("flops", 0.0)),
-                hbm_bytes=hbm_bytes, compiled_dtype=jnp.dtype(compiled_dtype).name,
-                platform=jax.default_backend())
+                dtype=jnp.dtype(dtype).name, per_device=per_device, flops=flops, hbm_bytes=hbm_bytes,
+                compiled_dtype=jnp.dtype(compiled_dtype).name, platform=jax.default_backend())
 
 
 def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
@@ -206,7 +221,7 @@ def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
 
     cfg = plan_config(config.target)
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-    compiled_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
+    compiled_dtype = _compiled_dtype(dtype)
     trainable = trainable_for(config.method)
     method_cfg = from_dict(trainable.config_cls, {**(trainable.config_defaults or {}), **dict(config.drafter)},
                            path="drafter")
@@ -235,24 +250,12 @@ def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
                    donate_argnums=(0, 1))
     tokens = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rows)
     mask = jax.ShapeDtypeStruct((b, s), jnp.bool_, sharding=rows)
-    abstract_key = jax.eval_shape(lambda: jax.random.key(0))
-    abstract_key = jax.ShapeDtypeStruct(abstract_key.shape, abstract_key.dtype, sharding=replicated)
+    abstract_key = _abstract_key(replicated)
     compiled = step.lower(params, opt_state, program_weights, tokens, mask, abstract_key, None).compile()
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    weights_bytes = _shard_bytes(weights)
-    arguments = memory.argument_size_in_bytes - _shard_bytes(program_weights) + weights_bytes
-    per_device = {
-        "weights_bytes": weights_bytes,
-        "cache_bytes": 0,
-        "optimizer_bytes": _shard_bytes(params) + _shard_bytes(opt_state),
-        "temp_bytes": int(memory.temp_size_in_bytes),
-        "total_bytes": int(arguments + memory.output_size_in_bytes + memory.temp_size_in_bytes
-                           - memory.alias_size_in_bytes),
-    }
+    per_device, flops = _measure(compiled, weights, program_weights, cache_bytes=0,
+                                 optimizer_bytes=_shard_bytes(params) + _shard_bytes(opt_state))
     return Plan(config=cfg, mesh_shape=dict(mesh.shape), batch_size=b, cache_length=s, dtype=jnp.dtype(dtype).name,
-                per_device=per_device, flops=float((cost or {}).get("flops", 0.0)), hbm_bytes=hbm_bytes,
+                per_device=per_device, flops=flops, hbm_bytes=hbm_bytes,
                 compiled_dtype=jnp.dtype(compiled_dtype).name, platform=jax.default_backend(),
                 program=f"one {config.method} training step")
 
