@@ -25,11 +25,16 @@ from jaxspec.gated_delta import conv_state_after, state_after
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """k, v: [L, B, Hkv, S, D] (L: the attention layers); lengths: int32[B] (committed tokens per row); for a hybrid
-    model conv [Lg, B, K-1, C] and state [Lg, B, H, Dk, Dv] float32 of its Lg linear-attention layers (else None)."""
+    """k, v: [L, B, Hkv, S, D] (L: the attention layers), or tuples of L per-layer buffers [B, Hkv, S, D] (made for
+    per-layer weights, `init_cache(per_layer=True)`); lengths: int32[B] (committed tokens per row); for a hybrid
+    model conv [Lg, B, K-1, C] and state [Lg, B, H, Dk, Dv] float32 of its Lg linear-attention layers (else None).
 
-    k: jax.Array  # [L, B, Hkv, S, D]
-    v: jax.Array  # [L, B, Hkv, S, D]
+    Per-layer buffers exist for XLA's CPU backend: a layer's attention reads its own buffer in place, where a slice
+    of the stacked buffer (static or in a scan) is copied before the product, the whole cache every step
+    (docs/cpu-performance.md). `cache.k[i]` is layer i's [B, Hkv, S, D] and `cache.k[a:b]` a range in both forms."""
+
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, Hkv, S, D] or L x [B, Hkv, S, D]
+    v: jax.Array | tuple[jax.Array, ...]  # [L, B, Hkv, S, D] or L x [B, Hkv, S, D]
     lengths: jax.Array  # int32[B]
     conv: jax.Array | None = None  # [Lg, B, K-1, C]
     state: jax.Array | None = None  # [Lg, B, H, Dk, Dv] float32
@@ -37,24 +42,34 @@ class KVCache:
     @property
     def max_length(self) -> int:
         """S, the number of slots per row."""
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32, num_layers=None) -> KVCache:
+def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.float32, num_layers=None,
+               per_layer: bool = False) -> KVCache:
     """An empty cache of `max_length` slots per row (num_layers defaults to the model's attention layers), with the
-    zero conv and recurrent states of a hybrid model's linear-attention layers."""
+    zero conv and recurrent states of a hybrid model's linear-attention layers; with `per_layer`, keys and values
+    as one buffer per layer (for per-layer weights, `jaxspec.model.unstack_layers`)."""
     linear = sum(cfg.linear_layers) if num_layers is None else 0  # a drafter's own cache of num_layers has none
     num_layers = cfg.num_attention_layers if num_layers is None else num_layers
     shape = (num_layers, batch_size, cfg.num_kv_heads, max_length, cfg.head_dim)
     conv = state = None
     if linear:
         conv, state = (jnp.broadcast_to(a, (linear, *a.shape)) for a in empty_linear_state(cfg, batch_size, dtype))
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch_size,), jnp.int32),
-                   conv=conv, state=state)
+    if per_layer:
+        k = tuple(jnp.zeros(shape[1:], dtype) for _ in range(num_layers))
+        v = tuple(jnp.zeros(shape[1:], dtype) for _ in range(num_layers))
+    else:
+        k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return KVCache(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32), conv=conv, state=state)
 
 
 def empty_linear_state(cfg: ModelConfig, batch_size: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
@@ -85,7 +100,12 @@ def write_new_entries(cache: KVCache, new_k: jax.Array, new_v: jax.Array, layer_
     rows, slots = _row_slots(cache.lengths, jnp.arange(t, dtype=jnp.int32)[None, :])
     layers = slice(layer_start, layer_start + num_layers)
 
-    def write(buffer, new):  # buffer [L, B, Hkv, S, D], new [Lr, B, Hkv, T, D]
+    def write(buffer, new):  # buffer [L, B, Hkv, S, D] (or L x [B, Hkv, S, D]), new [Lr, B, Hkv, T, D]
+        if isinstance(buffer, tuple):
+            written = tuple(buffer[layer_start + j].at[rows, :, slots].set(
+                new[j].transpose(0, 2, 1, 3).astype(buffer[0].dtype), mode="drop", unique_indices=True)  # [B, T, Hkv, D]
+                for j in range(num_layers))
+            return buffer[:layer_start] + written + buffer[layer_start + num_layers:]
         updates = new.transpose(1, 3, 0, 2, 4).astype(buffer.dtype)  # [B, T, Lr, Hkv, D]: advanced indices first
         return buffer.at[layers, rows, :, slots].set(updates, mode="drop", unique_indices=True)
 
@@ -110,7 +130,9 @@ def commit_positions(cache: KVCache, source_offsets: jax.Array, num_accepted: ja
     keep = jnp.arange(a)[None, :] < num_accepted[:, None]  # [B, A]
     targets = jnp.where(keep, targets, cache.max_length)
 
-    def move(buffer):  # [L, B, Hkv, S, D]
+    def move(buffer):  # [L, B, Hkv, S, D] (or L x [B, Hkv, S, D])
+        if isinstance(buffer, tuple):
+            return tuple(layer.at[rows, :, targets].set(layer[rows, :, sources], mode="drop") for layer in buffer)
         moved = buffer[:, rows, :, sources]  # [B, A, L, Hkv, D]
         return buffer.at[:, rows, :, targets].set(moved, mode="drop")
 

@@ -123,7 +123,7 @@ def generate_tokens(
         the feature of its token i (prompt then response); positions past a row's last fed token are zeros.
     """
     b, p = tokens.shape
-    cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
+    cache = init_cache(cfg, b, cache_size, weights.embed.dtype, per_layer=isinstance(weights.layers, tuple))
     logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache, mesh,
                                          hidden_layers=hidden_layers)
     first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)
@@ -291,7 +291,7 @@ def stream_generate(
     eos = np.asarray(tuple(cfg.eos_token_ids if eos_ids is None else eos_ids), np.int32)
     rng = jax.random.key(seed)
     weights = execution_weights(weights)
-    cache = init_cache(cfg, len(batch.lengths), batch.cache_size, weights.embed.dtype)
+    cache = init_cache(cfg, len(batch.lengths), batch.cache_size, weights.embed.dtype, per_layer=isinstance(weights.layers, tuple))
     logits, _, cache = _prefill_jit(weights, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), cache)
     last = _sample_jit(jax.random.fold_in(rng, 0), logits, sampling)
     done = np.zeros(len(batch.lengths), bool)

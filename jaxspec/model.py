@@ -198,6 +198,38 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale=Non
     return out.reshape(b, t, hq, h)
 
 
+def cache_visibility(lengths: jax.Array, mask: jax.Array | None, num_slots: int) -> jax.Array:
+    """bool[B, T, S]: the cache slots each of T new tokens sees once the new tokens are written at
+    [lengths[b], lengths[b] + T): the committed slots, and the new tokens its `mask` (bool[B, T, T], None for a
+    single token) lets it see."""
+    slot = jnp.arange(num_slots, dtype=jnp.int32)  # [S]
+    committed = slot[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+    offset = slot[None, :] - lengths[:, None]  # [B, S]: which new token a slot holds, if in [0, T)
+    if mask is None:
+        return committed | (offset == 0)[:, None, :]
+    t = mask.shape[-1]
+    new = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.clip(offset, 0, t - 1)[:, None, :], mask.shape[:2] + (num_slots,)),
+                              axis=2)  # [B, T, S]
+    return committed | (new & ((offset >= 0) & (offset < t))[:, None, :])
+
+
+def _attention_in_cache(q, cache_k, cache_v, visible, scale=None):
+    """Attention of T new queries over cache slots that already hold the new tokens' keys and values.
+
+    q: [B, T, Hq, h]; cache_k, cache_v: [B, Hkv, S, h]; visible: bool[B, T, S] (`cache_visibility`). The two
+    products keep the (b, k) batch axes leading and the slot axis in place, as in `_attention`. Returns [B, T, Hq, h].
+    """
+    b, t, hq, h = q.shape
+    hkv = cache_k.shape[1]
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    q = q.reshape(b, t, hkv, hq // hkv, h) * scale  # [b, t, k, g, h]
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, cache_k.astype(q.dtype),
+                        preferred_element_type=jnp.float32)  # [b, k, g, t, s]
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None, :, :], scores, NEG_INF), axis=-1)
+    out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(q.dtype), cache_v.astype(q.dtype))  # [b, k, g, t, h]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, h)
+
+
 def _rowwise(spec: str, x: jax.Array, w: jax.Array, rowwise: bool, **einsum_kwargs) -> jax.Array:
     """einsum(spec, x, w) for x: [B, T, ...]; with `rowwise`, one matrix-vector product per (b, t) row.
 
@@ -273,14 +305,17 @@ def mixture_of_experts(cfg: ModelConfig, x: jax.Array, lw: LayerWeights, model_a
 
 
 def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask,
-           model_axis=None, rowwise: bool = False, window=None):
+           model_axis=None, rowwise: bool = False, window=None, visible=None):
     """One decoder layer. x: [B, T, d]; lw: one layer's weights (no L axis); cache_k/v: [B, Hkv, S, h] or None.
 
     Head counts come from the weights' shapes, so inside shard_map with the heads and f split over `model_axis`
     this runs on the local slice and sums the two output projections over the axis (Megatron-style).
     rowwise: the projections as one matrix-vector product per row (`_rowwise`). inv_freq: [h/2], this layer's RoPE;
     window: None, or this layer's sliding window (int32 scalar, 0 for a global layer; see `_attention`).
-    Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]).
+    visible: bool[B, T, S] (`cache_visibility`) to write the new keys and values into this layer's own cache buffer
+    first and attend over it (a per-layer cache, updated in place); then returns the written buffers.
+    Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]), or with `visible` (x_out, cache_k, cache_v)
+    [B, Hkv, S, h] each.
     """
     hx = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     q = _rowwise("btd,dnh->btnh", hx, lw.wq, rowwise)
@@ -293,7 +328,16 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
         k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window)
+    if visible is not None:
+        # written before the attention reads it: the read depends on the write, so XLA updates the loop-carried
+        # buffer in place (written after its read, it copied every layer's buffer every step to keep the old one)
+        rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]  # [B, 1]
+        slots = cache_lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :]  # [B, T]
+        cache_k = cache_k.at[rows, :, slots].set(k.astype(cache_k.dtype), mode="drop", unique_indices=True)
+        cache_v = cache_v.at[rows, :, slots].set(v.astype(cache_v.dtype), mode="drop", unique_indices=True)
+        attn = _attention_in_cache(q, cache_k, cache_v, visible, cfg.attention_scale)
+    else:
+        attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window)
     if lw.wq_gate is not None:  # Qwen3.5: each head's output gated by sigmoid(x wq_gate)
         attn = attn * jax.nn.sigmoid(_rowwise("btd,dnh->btnh", hx, lw.wq_gate, rowwise)).astype(attn.dtype)
     # the heads flattened into one contraction axis: as "btnh,nhd->btd" XLA copied a transposed wo every step
@@ -302,6 +346,8 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
     out = _sum_shards(_rowwise("bte,ed->btd", attn.reshape(b, t, n * h), wo, rowwise), model_axis)  # [B, T, d]
     if lw.post_attn_norm is not None:
         out = rms_norm(out, lw.post_attn_norm, cfg.rms_norm_eps)
+    if visible is not None:
+        return _mlp_block(cfg, x + out, lw, model_axis, rowwise), cache_k, cache_v
     return _mlp_block(cfg, x + out, lw, model_axis, rowwise), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
@@ -407,7 +453,7 @@ def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, ca
 
     layers: LayerWeights with a leading axis Lr, or a tuple of Lr LayerWeights (`unstack_layers`); x: [B, T, d];
     positions: int32[B, T]; cache_k, cache_v:
-    [Lr, B, Hkv, S, h] or None; cache_lengths: int32[B] (slots visible per row); mask: bool[B, T, T] or None.
+    [Lr, B, Hkv, S, h], a tuple of Lr [B, Hkv, S, h] (a per-layer cache), or None; cache_lengths: int32[B] (slots visible per row); mask: bool[B, T, T] or None.
     model_axis: inside shard_map, the mesh axis the heads and f are split over (see `_layer`).
     layer_ids: int32[Lr], the layers' indices in the model (which of them slide, for Gemma 3); default 0 .. Lr-1.
     Returns (x [B, T, d], new_k [Lr, B, Hkv, T, h], new_v, hidden [Lr, B, T, d] or None: every layer's output).
@@ -436,8 +482,34 @@ def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, ca
         x, nk, nv = _layer(cfg, freq, x, lw, ck, cv, cache_lengths, positions, mask, model_axis, window=window)
         return x, (nk, nv, x if keep_hidden else None)
 
+    if isinstance(cache_k, tuple):  # a per-layer cache with stacked weights: scanned as one stack (a copy)
+        cache_k, cache_v = jnp.stack(cache_k), jnp.stack(cache_v)
     x, (new_k, new_v, hidden) = jax.lax.scan(body, x, (layers, cache_k, cache_v, kinds))
     return x, new_k, new_v, hidden
+
+
+def run_layers_in_place(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, positions, cache: KVCache, mask, *,
+                        keep_hidden: bool = False):
+    """Runs per-layer weights over a per-layer cache, each layer writing its new keys and values into its own buffer
+    before attending over it (`_layer` with `visible`): in a jitted loop the buffers are updated in place.
+
+    layers: a tuple of Lr LayerWeights; x: [B, T, d]; positions: int32[B, T]; cache: a per-layer KVCache of Lr
+    layers; mask: bool[B, T, T] or None (one token). Returns (x [B, T, d], the cache with the new entries written
+    and `lengths` unchanged, hidden [Lr, B, T, d] or None).
+    """
+    inv_freq = rope_inverse_frequencies(cfg)
+    b, t = x.shape[:2]
+    rowwise = 1 < b * t <= ROWWISE_MAX_ROWS
+    visible = cache_visibility(cache.lengths, mask, cache.max_length)  # [B, T, S]
+    keys, values, hidden = [], [], []
+    for lw, ck, cv in zip(layers, cache.k, cache.v, strict=True):
+        x, ck, cv = _layer(cfg, inv_freq, x, lw, ck, cv, cache.lengths, positions, mask, rowwise=rowwise,
+                           visible=visible)
+        keys.append(ck)
+        values.append(cv)
+        hidden.append(x)
+    cache = dataclasses.replace(cache, k=tuple(keys), v=tuple(values))
+    return x, cache, jnp.stack(hidden) if keep_hidden else None
 
 
 ROWWISE_MAX_ROWS = 4  # unstacked layers: up to this many rows (batch x tokens) as separate matrix-vector products
@@ -610,13 +682,16 @@ def forward(
     layers = select_layers(weights.layers, start, end)
 
     keep_hidden = bool(hidden_layers)
-    pending = None
+    pending = new_cache = None
     if cfg.is_hybrid:
         if (start, end) != (0, cfg.num_layers) or model_axis is not None or not isinstance(layers, tuple):
             raise ValueError("A hybrid model runs all its layers at once, on one device, from per-layer weights.")
         x, new_k, new_v, all_hidden, pending = run_hybrid_layers(
             cfg, layers, x, positions, cache if cache is not None and read_cache else None, mask,
             keep_hidden=keep_hidden, chain=chain)
+    elif (cache is not None and read_cache and cache.per_layer and isinstance(layers, tuple) and model_axis is None
+          and (start, end) == (0, cfg.num_layers) and not any(cfg.sliding_layers)):
+        x, new_cache, all_hidden = run_layers_in_place(cfg, layers, x, positions, cache, mask, keep_hidden=keep_hidden)
     else:
         if cache is not None and read_cache:
             cache_lengths = cache.lengths
@@ -630,7 +705,8 @@ def forward(
     hidden = None
     if keep_hidden:
         hidden = all_hidden[jnp.array([i - start for i in hidden_layers])]  # [n, B, T, d]
-    new_cache = write_new_entries(cache, new_k, new_v, layer_start=start) if cache is not None else None
+    if new_cache is None and cache is not None:
+        new_cache = write_new_entries(cache, new_k, new_v, layer_start=start)
     logits = lm_head(weights, cfg, x) if (compute_logits and end == cfg.num_layers) else None
     return ForwardOutput(logits=logits, hidden=hidden, last_hidden=x, cache=new_cache, pending=pending)
 

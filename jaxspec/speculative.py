@@ -71,7 +71,7 @@ def speculative_generate_tokens(
     width = num_nodes + 1  # new tokens one round can yield
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
 
-    cache = init_cache(cfg, b, cache_size, weights.embed.dtype)
+    cache = init_cache(cfg, b, cache_size, weights.embed.dtype, per_layer=isinstance(weights.layers, tuple))
     logits, prefill_out, cache = prefill(weights, cfg, tokens, prompt_lengths, cache, mesh,
                                          hidden_layers=drafter.target_layers)
     first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)  # [B]

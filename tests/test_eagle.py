@@ -72,6 +72,23 @@ def test_greedy_equals_autoregressive(tiny_llama3):
             assert speculative_generate_tokens._cache_size() == before
 
 
+def test_greedy_equals_autoregressive_over_per_layer_buffers(tiny_llama3):
+    """The CPU layout (per-layer weights and a per-layer cache, written in place by each layer; JAXSPEC_LAYERS=
+    unstacked) verifies trees and commits accepted paths to the same tokens as plain decoding, batch 1 and 3."""
+    from jaxspec.model import layers_layout
+
+    _, model, ref = tiny_llama3
+    prompts = _prompts(ref)
+    cfg, params = _head(model)
+    for batch in (prompts[:1], prompts):
+        expected = generate(model.weights, model.config, batch, max_new_tokens=16, eos_ids=()).token_ids
+        with layers_layout("unstacked"):
+            result = speculative_generate(model.weights, model.config, cfg.make_drafter(), params, batch,
+                                          max_new_tokens=16, eos_ids=())
+        assert result.token_ids == expected
+        assert max(result.rounds) < 16  # some rounds accepted drafted tokens: commits of more than one entry ran
+
+
 @pytest.mark.parametrize("name", ["eagle", "eagle2", "eagle3"])
 def test_the_eagle_methods_build_their_heads_and_trees(tiny_llama3, name):
     """Which head and tree each EAGLE method builds (greedy identity for every registry method: test_registry.py)."""

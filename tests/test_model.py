@@ -289,8 +289,8 @@ def test_bfloat16_weights_run(tiny):
 
 def test_unstacked_layers_compute_the_stacked_forward(tiny_llama3, monkeypatch):
     """The CPU layout (per-layer buffers, 2-4 rows as separate matrix-vector products) gives the scan's logits,
-    hidden states and cache entries for 1 to 15 rows x tokens (both sides of ROWWISE_MAX_ROWS), a layer range, and
-    the same greedy generation."""
+    hidden states and cache entries for 1 to 15 rows x tokens (both sides of ROWWISE_MAX_ROWS), over a stacked or a
+    per-layer cache (causal and tree masks), a layer range, and the same greedy generation."""
     import dataclasses
 
     from jaxspec.model import LAYERS_ENV, execution_weights, unstack_layers
@@ -309,6 +309,16 @@ def test_unstacked_layers_compute_the_stacked_forward(tiny_llama3, monkeypatch):
         u = run(unstacked, cfg, tokens, positions, cache, causal_mask(b, t), hidden_layers=layers)
         for x, y in ((a.logits, u.logits), (a.hidden, u.hidden), (a.cache.k, u.cache.k), (a.cache.v, u.cache.v)):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"B={b} T={t}")
+        # a per-layer cache: each layer writes its entries into its own buffer, then attends over it (in place)
+        per_layer = dataclasses.replace(init_cache(cfg, b, 32, per_layer=True), lengths=cache.lengths)
+        tree = causal_mask(b, t).at[:, t - 1, 0].set(t < 3)  # [B, T, T]: the last node's parent skips the first
+        for mask in (causal_mask(b, t), tree):
+            s = run(w, cfg, tokens, positions, cache, mask, hidden_layers=layers)
+            p = run(unstacked, cfg, tokens, positions, per_layer, mask, hidden_layers=layers)
+            assert isinstance(p.cache.k, tuple) and len(p.cache.k) == cfg.num_layers
+            for x, y in ((s.logits, p.logits), (s.hidden, p.hidden), (s.cache.k, jnp.stack(p.cache.k)),
+                         (s.cache.v, jnp.stack(p.cache.v))):
+                np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"B={b} T={t}")
         part = run(unstacked, cfg, tokens, positions, cache, causal_mask(b, t), layer_range=(0, 1),
                    compute_logits=False)
         np.testing.assert_allclose(np.asarray(part.last_hidden), np.asarray(a.hidden[0]), rtol=1e-5, atol=1e-5)
