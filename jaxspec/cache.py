@@ -103,7 +103,8 @@ def write_new_entries(cache: KVCache, new_k: jax.Array, new_v: jax.Array, layer_
     def write(buffer, new):  # buffer [L, B, Hkv, S, D] (or L x [B, Hkv, S, D]), new [Lr, B, Hkv, T, D]
         if isinstance(buffer, tuple):
             written = tuple(buffer[layer_start + j].at[rows, :, slots].set(
-                new[j].transpose(0, 2, 1, 3).astype(buffer[0].dtype), mode="drop", unique_indices=True)  # [B, T, Hkv, D]
+                new[j].transpose(0, 2, 1, 3).astype(buffer[0].dtype),  # [B, T, Hkv, D]
+                mode="drop", unique_indices=True)
                 for j in range(num_layers))
             return buffer[:layer_start] + written + buffer[layer_start + num_layers:]
         updates = new.transpose(1, 3, 0, 2, 4).astype(buffer.dtype)  # [B, T, Lr, Hkv, D]: advanced indices first

@@ -291,7 +291,8 @@ def stream_generate(
     eos = np.asarray(tuple(cfg.eos_token_ids if eos_ids is None else eos_ids), np.int32)
     rng = jax.random.key(seed)
     weights = execution_weights(weights)
-    cache = init_cache(cfg, len(batch.lengths), batch.cache_size, weights.embed.dtype, per_layer=isinstance(weights.layers, tuple))
+    cache = init_cache(cfg, len(batch.lengths), batch.cache_size, weights.embed.dtype,
+                       per_layer=isinstance(weights.layers, tuple))
     logits, _, cache = _prefill_jit(weights, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), cache)
     last = _sample_jit(jax.random.fold_in(rng, 0), logits, sampling)
     done = np.zeros(len(batch.lengths), bool)

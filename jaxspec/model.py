@@ -208,8 +208,8 @@ def cache_visibility(lengths: jax.Array, mask: jax.Array | None, num_slots: int)
     if mask is None:
         return committed | (offset == 0)[:, None, :]
     t = mask.shape[-1]
-    new = jnp.take_along_axis(mask, jnp.broadcast_to(jnp.clip(offset, 0, t - 1)[:, None, :], mask.shape[:2] + (num_slots,)),
-                              axis=2)  # [B, T, S]
+    which = jnp.broadcast_to(jnp.clip(offset, 0, t - 1)[:, None, :], mask.shape[:2] + (num_slots,))  # [B, T, S]
+    new = jnp.take_along_axis(mask, which, axis=2)  # [B, T, S]
     return committed | (new & ((offset >= 0) & (offset < t))[:, None, :])
 
 
@@ -453,7 +453,8 @@ def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, ca
 
     layers: LayerWeights with a leading axis Lr, or a tuple of Lr LayerWeights (`unstack_layers`); x: [B, T, d];
     positions: int32[B, T]; cache_k, cache_v:
-    [Lr, B, Hkv, S, h], a tuple of Lr [B, Hkv, S, h] (a per-layer cache), or None; cache_lengths: int32[B] (slots visible per row); mask: bool[B, T, T] or None.
+    [Lr, B, Hkv, S, h], a tuple of Lr [B, Hkv, S, h] (a per-layer cache), or None; cache_lengths: int32[B] (slots
+    visible per row); mask: bool[B, T, T] or None.
     model_axis: inside shard_map, the mesh axis the heads and f are split over (see `_layer`).
     layer_ids: int32[Lr], the layers' indices in the model (which of them slide, for Gemma 3); default 0 .. Lr-1.
     Returns (x [B, T, d], new_k [Lr, B, Hkv, T, h], new_v, hidden [Lr, B, T, d] or None: every layer's output).
