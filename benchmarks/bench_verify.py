@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import init_cache
 from jaxspec.loading import DEFAULT_MODEL, load_model
-from jaxspec.model import causal_mask, forward, unstack_layers
+from jaxspec.model import causal_mask, feature_major_layers, forward
 
 
 def main() -> None:
@@ -25,14 +25,19 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,4,8,16,32")
     parser.add_argument("--cache", type=int, default=256, help="cache slots per row")
     parser.add_argument("--unstacked", action="store_true",
-                        help="on CPU, the layers as per-layer buffers (JAXSPEC_LAYERS=unstacked; jaxspec.model)")
+                        help="on CPU, the per-layer feature-major layout and cache (JAXSPEC_LAYERS=unstacked)")
+    parser.add_argument("--both", action="store_true",
+                        help="both layouts, timed in turn in the same process (on a shared host, the fair comparison)")
     args = parser.parse_args()
     model = load_model(args.model, with_tokenizer=False)
     cfg = model.config
-    weights = unstack_layers(model.weights) if args.unstacked else model.weights
+    layouts = {"stacked": model.weights, "per-layer": feature_major_layers(model.weights)}
+    if not args.both:
+        layouts = {k: v for k, v in layouts.items() if (k == "per-layer") == args.unstacked}
 
     def run(weights, n, t):  # n forwards of t tokens each
-        cache = dataclasses.replace(init_cache(cfg, 1, args.cache), lengths=jnp.array([40], jnp.int32))
+        cache = init_cache(cfg, 1, args.cache, per_layer=isinstance(weights.layers, tuple))
+        cache = dataclasses.replace(cache, lengths=jnp.array([40], jnp.int32))
 
         def body(_, carry):
             cache, token = carry
@@ -43,17 +48,21 @@ def main() -> None:
         return jax.lax.fori_loop(0, n, body, (cache, jnp.array([5], jnp.int32)))[1]
 
     step = jax.jit(run, static_argnums=(1, 2))
-    base = None
-    print(f"{'T':>4} {'ms/forward':>11} {'x one step':>11}")
+    base = {}
+    print(f"{'T':>4} " + " ".join(f"{name + ' ms':>15} {'x one step':>11}" for name in layouts))
     for t in [int(x) for x in args.sizes.split(",")]:
-        step(weights, 20, t).block_until_ready()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
+        best = {}
+        for name, weights in layouts.items():
             step(weights, 20, t).block_until_ready()
-            best = min(best, (time.perf_counter() - start) / 20 * 1000)
-        base = base or best
-        print(f"{t:>4} {best:>11.2f} {best / base:>10.2f}x", flush=True)
+            best[name] = float("inf")
+        for _ in range(3):
+            for name, weights in layouts.items():
+                start = time.perf_counter()
+                step(weights, 20, t).block_until_ready()
+                best[name] = min(best[name], (time.perf_counter() - start) / 20 * 1000)
+        for name in layouts:
+            base.setdefault(name, best[name])
+        print(f"{t:>4} " + " ".join(f"{best[n]:>15.2f} {best[n] / base[n]:>10.2f}x" for n in layouts), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxspec.generate import generate_tokens
 from jaxspec.loading import DEFAULT_MODEL, load_model
-from jaxspec.model import unstack_layers
+from jaxspec.model import feature_major_layers
 from jaxspec.profiling import op_scopes, traced_op_times
 from jaxspec.speculative import ROUND_PHASES
 
@@ -47,7 +47,7 @@ def _op_kind(name: str) -> str:
 
 def profile_loop(args) -> None:
     target = load_model(args.model)
-    weights = unstack_layers(target.weights) if args.unstacked else target.weights
+    weights = feature_major_layers(target.weights) if args.unstacked else target.weights
     cfg, b = target.config, args.batch
     tokens = jnp.zeros((b, 64), jnp.int32)  # [B, 64]
     lengths = jnp.full((b,), 40, jnp.int32)  # [B]

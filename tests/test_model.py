@@ -293,12 +293,14 @@ def test_unstacked_layers_compute_the_stacked_forward(tiny_llama3, monkeypatch):
     per-layer cache (causal and tree masks), a layer range, and the same greedy generation."""
     import dataclasses
 
-    from jaxspec.model import LAYERS_ENV, execution_weights, unstack_layers
+    from jaxspec.model import LAYERS_ENV, FeatureMajorLayer, execution_weights, feature_major_layers, unstack_layers
 
     _, model, ref = tiny_llama3
     w, cfg = model.weights, model.config
     unstacked = unstack_layers(w)
     assert isinstance(unstacked.layers, tuple) and len(unstacked.layers) == cfg.num_layers
+    feature_major = feature_major_layers(w)  # the CPU layout: matrices [out, in], activations [d, N]
+    assert all(isinstance(lw, FeatureMajorLayer) for lw in feature_major.layers)
     run = jax.jit(forward, static_argnames=("cfg", "hidden_layers", "layer_range", "compute_logits"))
     for b, t in ((1, 1), (1, 3), (2, 2), (3, 5)):
         cache = dataclasses.replace(init_cache(cfg, b, 32), lengths=jnp.arange(3, 3 + b, dtype=jnp.int32))
@@ -306,15 +308,16 @@ def test_unstacked_layers_compute_the_stacked_forward(tiny_llama3, monkeypatch):
         positions = cache.lengths[:, None] + jnp.arange(t)  # [B, T]
         layers = (0, cfg.num_layers - 1)
         a = run(w, cfg, tokens, positions, cache, causal_mask(b, t), hidden_layers=layers)
-        u = run(unstacked, cfg, tokens, positions, cache, causal_mask(b, t), hidden_layers=layers)
-        for x, y in ((a.logits, u.logits), (a.hidden, u.hidden), (a.cache.k, u.cache.k), (a.cache.v, u.cache.v)):
-            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"B={b} T={t}")
+        for layout in (unstacked, feature_major):
+            u = run(layout, cfg, tokens, positions, cache, causal_mask(b, t), hidden_layers=layers)
+            for x, y in ((a.logits, u.logits), (a.hidden, u.hidden), (a.cache.k, u.cache.k), (a.cache.v, u.cache.v)):
+                np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"B={b} T={t}")
         # a per-layer cache: each layer writes its entries into its own buffer, then attends over it (in place)
         per_layer = dataclasses.replace(init_cache(cfg, b, 32, per_layer=True), lengths=cache.lengths)
         tree = causal_mask(b, t).at[:, t - 1, 0].set(t < 3)  # [B, T, T]: the last node's parent skips the first
         for mask in (causal_mask(b, t), tree):
             s = run(w, cfg, tokens, positions, cache, mask, hidden_layers=layers)
-            p = run(unstacked, cfg, tokens, positions, per_layer, mask, hidden_layers=layers)
+            p = run(feature_major, cfg, tokens, positions, per_layer, mask, hidden_layers=layers)
             assert isinstance(p.cache.k, tuple) and len(p.cache.k) == cfg.num_layers
             for x, y in ((s.logits, p.logits), (s.hidden, p.hidden), (s.cache.k, jnp.stack(p.cache.k)),
                          (s.cache.v, jnp.stack(p.cache.v))):
