@@ -653,14 +653,15 @@ def layers_layout(layout: str):
 
 
 def execution_weights(weights: Weights, mesh=None) -> Weights:
-    """The weights as the generation functions run them: on CPU without a mesh, unstacked when the environment
-    says JAXSPEC_LAYERS=unstacked (`unstack_layers`; the last two conversions are kept, so repeated calls with the
-    same weights convert once); as they are otherwise (accelerators fuse the slice of a scanned stack into the
-    matrix product).
+    """The weights as the generation functions run them: on CPU without a mesh, per-layer and feature-major when
+    the environment says JAXSPEC_LAYERS=unstacked (`feature_major_layers`; the generation loops then make a per-layer
+    cache; the last two conversions are kept, so repeated calls with the same weights convert once); as they are
+    otherwise (accelerators fuse the slice of a scanned stack into the matrix product).
 
-    Unstacked layers make a CPU decoding step up to twice as fast but compile about 7x longer (the 30 layers of
-    SmolLM2 unrolled: 26 s instead of 4 s for the autoregressive loop), so they pay on long jobs (`jaxspec
-    regenerate` sets it unless told otherwise) and not on one short generation or the test suite.
+    This layout makes a CPU decoding step 1.25x faster at batch 1 and 2x at batch 16, and verification of 4-16 tokens
+    1.4-2x faster (docs/cpu-performance.md), but compiles 4-5x longer (the 30 layers of SmolLM2 unrolled: 17-26 s
+    instead of 5 s for the autoregressive loop), so it pays on long jobs (`jaxspec regenerate` sets it unless told
+    otherwise, `jaxspec bench` runs) and not on one short generation or the test suite.
     """
     unstack = os.environ.get(LAYERS_ENV, "stacked") == "unstacked"
     if not unstack or mesh is not None or jax.default_backend() != "cpu" or isinstance(weights.layers, tuple):
