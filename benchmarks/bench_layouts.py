@@ -38,7 +38,7 @@ def main() -> None:
         tokens = jnp.zeros((b, 64), jnp.int32)  # [B, 64]
         lengths = jnp.full((b,), 40, jnp.int32)  # [B]: a 40-token context per row
 
-        def run(weights, n):
+        def run(weights, n, tokens=tokens, lengths=lengths):
             start = time.perf_counter()
             jax.block_until_ready(generate_tokens(weights, cfg, tokens, lengths, jax.random.key(0), max_new_tokens=n,
                                                   cache_size=args.cache))
