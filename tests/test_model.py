@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import init_cache
+from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import LLAMA3_8B, QWEN3_8B, ModelConfig, RopeScaling
 from jaxspec.generate import decode_step, generate, prefill
 from jaxspec.model import Weights, causal_mask, forward
@@ -312,12 +312,19 @@ def test_unstacked_layers_compute_the_stacked_forward(tiny_llama3, monkeypatch):
             u = run(layout, cfg, tokens, positions, cache, causal_mask(b, t), hidden_layers=layers)
             for x, y in ((a.logits, u.logits), (a.hidden, u.hidden), (a.cache.k, u.cache.k), (a.cache.v, u.cache.v)):
                 np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5, err_msg=f"B={b} T={t}")
-        # a per-layer cache: each layer writes its entries into its own buffer, then attends over it (in place)
-        per_layer = dataclasses.replace(init_cache(cfg, b, 32, per_layer=True), lengths=cache.lengths)
+        # a per-layer cache (random committed entries): each layer writes its entries into its own buffer, then
+        # attends over it (in place); 32 and 192 slots, rows at 3-5 and 60-62 tokens
         tree = causal_mask(b, t).at[:, t - 1, 0].set(t < 3)  # [B, T, T]: the last node's parent skips the first
-        for mask in (causal_mask(b, t), tree):
-            s = run(w, cfg, tokens, positions, cache, mask, hidden_layers=layers)
-            p = run(feature_major, cfg, tokens, positions, per_layer, mask, hidden_layers=layers)
+        for mask, slots, start in ((causal_mask(b, t), 32, 3), (tree, 32, 3), (causal_mask(b, t), 192, 60),
+                                   (tree, 192, 60)):
+            lengths = jnp.arange(start, start + b, dtype=jnp.int32)  # [B]
+            shape = init_cache(cfg, b, slots).k.shape  # [L, B, Hkv, S, h]: random committed entries
+            keys, values = (jnp.asarray(np.random.default_rng(i).normal(size=shape), jnp.float32) for i in (1, 2))
+            stacked = KVCache(k=keys, v=values, lengths=lengths)
+            per_layer = KVCache(k=tuple(keys), v=tuple(values), lengths=lengths)
+            at = lengths[:, None] + jnp.arange(t)  # [B, T]
+            s = run(w, cfg, tokens, at, stacked, mask, hidden_layers=layers)
+            p = run(feature_major, cfg, tokens, at, per_layer, mask, hidden_layers=layers)
             assert isinstance(p.cache.k, tuple) and len(p.cache.k) == cfg.num_layers
             for x, y in ((s.logits, p.logits), (s.hidden, p.hidden), (s.cache.k, jnp.stack(p.cache.k)),
                          (s.cache.v, jnp.stack(p.cache.v))):
