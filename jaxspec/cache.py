@@ -57,7 +57,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_length: int, dtype=jnp.flo
                per_layer: bool = False) -> KVCache:
     """An empty cache of `max_length` slots per row (num_layers defaults to the model's attention layers), with the
     zero conv and recurrent states of a hybrid model's linear-attention layers; with `per_layer`, keys and values
-    as one buffer per layer (for per-layer weights, `jaxspec.model.unstack_layers`)."""
+    as one buffer per layer (for per-layer weights, `jaxspec.model.execution_weights`)."""
     linear = sum(cfg.linear_layers) if num_layers is None else 0  # a drafter's own cache of num_layers has none
     num_layers = cfg.num_attention_layers if num_layers is None else num_layers
     shape = (num_layers, batch_size, cfg.num_kv_heads, max_length, cfg.head_dim)
@@ -85,6 +85,13 @@ def _row_slots(lengths: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.A
     return rows, lengths[:, None] + offsets  # [B, 1], [B, T]
 
 
+def write_layer_entries(buffer: jax.Array, lengths: jax.Array, new: jax.Array) -> jax.Array:
+    """One layer's buffer [B, Hkv, S, D] of a per-layer cache with T new entries per row, new [B, T, Hkv, D], written
+    at [lengths[b], lengths[b] + T) (one scatter in the buffer's layout: in place inside a jitted loop)."""
+    rows, slots = _row_slots(lengths, jnp.arange(new.shape[1], dtype=jnp.int32)[None, :])  # [B, 1], [B, T]
+    return buffer.at[rows, :, slots].set(new.astype(buffer.dtype), mode="drop", unique_indices=True)
+
+
 def write_new_entries(cache: KVCache, new_k: jax.Array, new_v: jax.Array, layer_start: int = 0) -> KVCache:
     """Writes T new entries per row at [lengths[b], lengths[b] + T) for a contiguous range of layers.
 
@@ -102,10 +109,8 @@ def write_new_entries(cache: KVCache, new_k: jax.Array, new_v: jax.Array, layer_
 
     def write(buffer, new):  # buffer [L, B, Hkv, S, D] (or L x [B, Hkv, S, D]), new [Lr, B, Hkv, T, D]
         if isinstance(buffer, tuple):
-            written = tuple(buffer[layer_start + j].at[rows, :, slots].set(
-                new[j].transpose(0, 2, 1, 3).astype(buffer[0].dtype),  # [B, T, Hkv, D]
-                mode="drop", unique_indices=True)
-                for j in range(num_layers))
+            written = tuple(write_layer_entries(buffer[layer_start + j], cache.lengths, new[j].transpose(0, 2, 1, 3))
+                            for j in range(num_layers))
             return buffer[:layer_start] + written + buffer[layer_start + num_layers:]
         updates = new.transpose(1, 3, 0, 2, 4).astype(buffer.dtype)  # [B, T, Lr, Hkv, D]: advanced indices first
         return buffer.at[layers, rows, :, slots].set(updates, mode="drop", unique_indices=True)

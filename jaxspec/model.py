@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import KVCache, empty_linear_state, write_new_entries
+from jaxspec.cache import KVCache, empty_linear_state, write_layer_entries, write_new_entries
 from jaxspec.config import ModelConfig, RopeScaling
 from jaxspec.gated_delta import (
     PendingDelta,
@@ -355,11 +355,8 @@ def _attend(cfg: ModelConfig, inv_freq, q, k, v, q_norm, k_norm, cache_k, cache_
         return attn, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     # written before the attention reads it: the read depends on the write, so XLA updates the loop-carried buffer
     # in place (written after its read, it copied every layer's buffer every step to keep the old one)
-    b, t = q.shape[:2]
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]  # [B, 1]
-    slots = cache_lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-    cache_k = cache_k.at[rows, :, slots].set(k.astype(cache_k.dtype), mode="drop", unique_indices=True)
-    cache_v = cache_v.at[rows, :, slots].set(v.astype(cache_v.dtype), mode="drop", unique_indices=True)
+    cache_k = write_layer_entries(cache_k, cache_lengths, k)
+    cache_v = write_layer_entries(cache_v, cache_lengths, v)
     return _attention_in_cache(q, cache_k, cache_v, visible, cfg.attention_scale), cache_k, cache_v
 
 
