@@ -139,14 +139,6 @@ def _quick_compilation_for_tiny_models(request):
     jax.config.update("jax_disable_most_optimizations", previous)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drops jit caches after each test module: one process compiles hundreds of programs (several for the real
-    SmolLM2 per module), and keeping all of them resident made a late XLA compilation crash once in CI."""
-    yield
-    jax.clear_caches()
-
-
 @pytest.fixture(scope="session")
 def gemma3_270m():
     """Gemma-3-270M (base, real weights) in float32 with its tokenizer, from the GGUF its package joins."""
