@@ -79,6 +79,24 @@ def empty_linear_state(cfg: ModelConfig, batch_size: int, dtype=jnp.float32) -> 
                       jnp.float32))
 
 
+def replace_rows(cache: KVCache, rows: jax.Array, new: KVCache) -> KVCache:
+    """The cache with rows `rows` (int32[R]) replaced by the R rows of `new` (the same slots and layers; rows equal to
+    the batch size are dropped, so a group can be padded): how continuous batching starts new prompts in freed rows."""
+
+    def put(buffer, fresh, axis):  # the batch axis of buffer and fresh
+        if buffer is None:
+            return None
+        if isinstance(buffer, tuple):
+            return tuple(put(b, f, axis) for b, f in zip(buffer, fresh, strict=True))
+        index = (slice(None),) * axis + (rows,)
+        return buffer.at[index].set(fresh.astype(buffer.dtype), mode="drop")
+
+    layer_axis = 0 if cache.per_layer else 1  # per-layer buffers [B, ...], stacked ones [L, B, ...]
+    return KVCache(k=put(cache.k, new.k, layer_axis), v=put(cache.v, new.v, layer_axis),
+                   lengths=put(cache.lengths, new.lengths, 0), conv=put(cache.conv, new.conv, 1),
+                   state=put(cache.state, new.state, 1))
+
+
 def _row_slots(lengths: jax.Array, offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Index arrays for (row, slot) pairs: rows int32[B, 1] and slots lengths[b] + offsets int32[B, T]."""
     rows = jnp.arange(lengths.shape[0], dtype=jnp.int32)[:, None]  # [B, 1]

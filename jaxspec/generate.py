@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxspec.cache import KVCache, commit_recurrent, init_cache
+from jaxspec.cache import KVCache, commit_recurrent, init_cache, replace_rows
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.model import Weights, execution_weights, lm_head
@@ -305,3 +305,184 @@ def stream_generate(
         done |= np.isin(tokens, eos)
         if done.all():
             return
+
+
+# ---------------------------------------------------------------------------------------------- continuous batching
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowsState:
+    """The device state of a continuous batch of B rows, each answering its own prompt.
+
+    cache: the rows' KV cache (S slots); last: int32[B], each row's last token (fed next); out: int32[B, N], its new
+    tokens (PAD after); count: int32[B], how many it has; done: bool[B], finished (EOS or N tokens) or free;
+    sample: int32[B], the index of the prompt it answers (its sampling keys derive from it); features: the bits of
+    the residual stream after the saved layers at every slot a row's tokens fill, [n, B, S, d] (or None).
+    """
+
+    cache: KVCache
+    last: jax.Array  # int32[B]
+    out: jax.Array  # int32[B, N]
+    count: jax.Array  # int32[B]
+    done: jax.Array  # bool[B]
+    sample: jax.Array  # int32[B]
+    features: jax.Array | None  # [n, B, S, d], unsigned integers holding hidden_dtype bits
+
+
+def _sample_rows(rng: jax.Array, sample: jax.Array, count: jax.Array, logits: jax.Array,
+                 sampling: SamplingConfig) -> jax.Array:
+    """int32[B]: each row's next token, drawn with a key fixed by (rng, its prompt index, its token index), so a row's
+    answer does not depend on which rows it shares the batch with. logits: [B, V]."""
+    if sampling.greedy:
+        return sample_token(rng, logits, sampling)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(rng, s), c))(sample, count)  # [B]
+    return jax.vmap(lambda k, row: sample_token(k, row[None], sampling)[0])(keys, logits)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "hidden_layers", "hidden_dtype"),
+                   donate_argnames=("state",))
+def _start_rows(weights: Weights, cfg: ModelConfig, state: RowsState, rng: jax.Array, rows: jax.Array,
+                tokens: jax.Array, prompt_lengths: jax.Array, sample: jax.Array, sampling: SamplingConfig,
+                eos_ids: tuple[int, ...], *, hidden_layers: tuple[int, ...], hidden_dtype):
+    """Prefills R prompts into rows `rows` of a continuous batch and samples their first tokens.
+
+    rows: int32[R] (the batch size B for a padding entry: dropped); tokens: int32[R, P] right-padded prompts;
+    prompt_lengths: int32[R]; sample: int32[R], their prompt indices.
+    """
+    r, p = tokens.shape
+    n = state.out.shape[1]
+    fresh = init_cache(cfg, r, state.cache.max_length, weights.embed.dtype, per_layer=state.cache.per_layer)
+    logits, prefilled, fresh = prefill(weights, cfg, tokens, prompt_lengths, fresh, hidden_layers=hidden_layers)
+    first = _sample_rows(rng, sample, jnp.zeros_like(sample), logits, sampling)  # [R]
+    features = state.features
+    if hidden_layers:
+        in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]  # [R, P]
+        prompt = _to_bits(jnp.where(in_prompt[None, :, :, None], prefilled.hidden, 0), hidden_dtype)  # [n, R, P, d]
+        width = features.shape[2]
+        prompt = jnp.pad(prompt, ((0, 0), (0, 0), (0, width - p), (0, 0)))  # [n, R, S, d]: the rest zeroed
+        features = features.at[:, rows].set(prompt, mode="drop")
+    return RowsState(
+        cache=replace_rows(state.cache, rows, fresh),
+        last=state.last.at[rows].set(first, mode="drop"),
+        out=state.out.at[rows].set(jnp.full((r, n), PAD, jnp.int32).at[:, 0].set(first), mode="drop"),
+        count=state.count.at[rows].set(1, mode="drop"),
+        done=state.done.at[rows].set(_is_eos(first, eos_ids) | (n <= 1), mode="drop"),
+        sample=state.sample.at[rows].set(sample, mode="drop"),
+        features=features)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "steps", "hidden_layers", "hidden_dtype"),
+                   donate_argnames=("state",))
+def _continue_rows(weights: Weights, cfg: ModelConfig, state: RowsState, rng: jax.Array, sampling: SamplingConfig,
+                   eos_ids: tuple[int, ...], *, steps: int, hidden_layers: tuple[int, ...], hidden_dtype):
+    """Up to `steps` decoding steps of every unfinished row (stops early once all rows are done)."""
+    b, n = state.out.shape
+    rows = jnp.arange(b)
+
+    def cond(carry):
+        step, state = carry
+        return (step < steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        step, s = carry
+        features = s.features
+        if hidden_layers:
+            logits, cache, hidden = decode_step(weights, cfg, s.last, s.cache, ~s.done, None, hidden_layers)
+            where = jnp.where(s.done, features.shape[2], s.cache.lengths)  # [B]: finished rows write nothing
+            features = features.at[:, rows, where].set(_to_bits(hidden, hidden_dtype), mode="drop")
+        else:
+            logits, cache = decode_step(weights, cfg, s.last, s.cache, ~s.done)
+        new = jnp.where(s.done, PAD, _sample_rows(rng, s.sample, s.count, logits, sampling))  # [B]
+        out = s.out.at[rows, jnp.where(s.done, n, s.count)].set(new, mode="drop")
+        count = s.count + (~s.done).astype(jnp.int32)
+        done = s.done | _is_eos(new, eos_ids) | (count >= n)
+        return step + 1, RowsState(cache=cache, last=jnp.maximum(new, 0), out=out, count=count, done=done,
+                                   sample=s.sample, features=features)
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
+
+
+def continuous_generate(
+    weights: Weights,
+    cfg: ModelConfig,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
+    sampling: SamplingConfig = GREEDY,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    hidden_layers: Sequence[int] = (),
+    hidden_dtype=jnp.bfloat16,
+    steps_per_sync: int = 16,
+    start_group: int | None = None,
+) -> Iterator[tuple[int, list[int], np.ndarray | None]]:
+    """Answers many prompts with `batch_size` rows kept busy: a row that finishes takes the next prompt.
+
+    `generate` runs a batch until its longest answer ends, so rows that finish early idle; here the rows decode
+    `steps_per_sync` steps at a time, and between such chunks the host hands the finished rows' answers back and
+    prefills waiting prompts into their rows (in groups of `start_group` rows, default batch_size / 8, each group
+    padded to a multiple of 64 tokens). Greedy answers equal `generate`'s; sampled ones are drawn with keys fixed
+    by (seed, the prompt's index, the token's index), so they do not depend on the batch either.
+
+    Yields (prompt index, new token ids with the EOS when reached, features) as answers finish, in any order.
+    features (with `hidden_layers`): the residual stream after those layers at every token the target read (the
+    prompt, then each new token but the last), computed while generating, [n, prompt length + new - 1, d] in
+    `hidden_dtype`; else None.
+
+    Raises UserError (before any work) if a prompt is empty or does not fit the cache with max_new_tokens.
+    """
+    if batch_size < 1 or steps_per_sync < 1:
+        raise UserError(f"batch_size and steps_per_sync must be at least 1, got {batch_size} and {steps_per_sync}.")
+    prompt_ids = [list(map(int, p)) for p in prompt_ids]
+    cache_size = pad_prompts(prompt_ids, max_new_tokens, cfg).cache_size  # checks every prompt fits
+    eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    hidden_layers = tuple(hidden_layers)
+    group = max(1, min(batch_size, start_group or batch_size // 8))
+    weights = execution_weights(weights)
+    rng = jax.random.key(seed)
+    b, n = batch_size, max_new_tokens
+    features = None
+    if hidden_layers:
+        features = jnp.zeros((len(hidden_layers), b, cache_size, cfg.hidden_size), _bits_dtype(hidden_dtype))
+    state = RowsState(
+        cache=init_cache(cfg, b, cache_size, weights.embed.dtype, per_layer=isinstance(weights.layers, tuple)),
+        last=jnp.zeros((b,), jnp.int32), out=jnp.full((b, n), PAD, jnp.int32), count=jnp.zeros((b,), jnp.int32),
+        done=jnp.ones((b,), jnp.bool_), sample=jnp.zeros((b,), jnp.int32), features=features)
+    waiting = list(range(len(prompt_ids)))[::-1]  # popped from the end: prompt order
+    free = list(range(b))
+    busy: dict[int, int] = {}  # row -> prompt index
+    while waiting or busy:
+        while free and waiting:
+            rows = [free.pop(0) for _ in range(min(group, len(free), len(waiting)))]
+            taken = [waiting.pop() for _ in rows]
+            ids = [prompt_ids[i] for i in taken]
+            width = round_up(max(map(len, ids)), PROMPT_BUCKET)
+            tokens = np.zeros((group, width), np.int32)  # [R, P]: padding entries repeat the first prompt
+            for j in range(group):
+                tokens[j, : len(ids[min(j, len(ids) - 1)])] = ids[min(j, len(ids) - 1)]
+            pad = group - len(rows)
+            state = _start_rows(
+                weights, cfg, state, rng, jnp.asarray(rows + [b] * pad, jnp.int32), jnp.asarray(tokens),
+                jnp.asarray([len(p) for p in ids] + [len(ids[-1])] * pad, jnp.int32),
+                jnp.asarray(taken + [taken[-1]] * pad, jnp.int32), sampling, eos,
+                hidden_layers=hidden_layers, hidden_dtype=hidden_dtype)
+            busy.update(zip(rows, taken))
+        state = _continue_rows(weights, cfg, state, rng, sampling, eos, steps=steps_per_sync,
+                               hidden_layers=hidden_layers, hidden_dtype=hidden_dtype)
+        done = np.asarray(state.done)  # [B]
+        finished = [row for row in busy if done[row]]
+        if not finished:
+            continue
+        picked = jnp.asarray(finished, jnp.int32)
+        out, count = np.asarray(state.out[picked]), np.asarray(state.count[picked])  # [F, N], [F]
+        hidden = None
+        if hidden_layers:
+            hidden = np.asarray(jax.lax.bitcast_convert_type(state.features[:, picked], hidden_dtype))  # [n, F, S, d]
+        for j, row in enumerate(finished):
+            index = busy.pop(row)
+            free.append(row)
+            fed = len(prompt_ids[index]) + int(count[j]) - 1  # the last new token is never fed back
+            yield index, out[j, : count[j]].tolist(), (
+                None if hidden is None else np.ascontiguousarray(hidden[:, j, :fed]))

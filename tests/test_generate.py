@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fixture_path
 
 from jaxspec.errors import UserError
-from jaxspec.generate import PAD, generate, generate_tokens, pad_prompts, stream_generate
+from jaxspec.generate import PAD, continuous_generate, generate, generate_tokens, pad_prompts, stream_generate
+from jaxspec.loading import load_model
 from jaxspec.sampling import SamplingConfig, process_logits, sample_token
 
 
@@ -172,3 +174,59 @@ def test_bad_sampling_settings_are_clear_errors():
     for kwargs in ({"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(UserError):
             SamplingConfig(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- continuous batching
+
+
+def _ragged_prompts(vocab: int, count: int = 7) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, vocab, n).tolist() for n in rng.integers(1, 70, count)]  # both prompt buckets (64, 128)
+
+
+@pytest.mark.parametrize("name,layers", [("llama3", "stacked"), ("llama3", "unstacked"), ("qwen3_5", "stacked")])
+def test_continuous_batching_answers_like_generate_row_by_row(name, layers, monkeypatch):
+    """More prompts than rows, answers of different lengths (an EOS some rows reach early): every prompt is answered
+    once, with the tokens and the saved features of a batch-1 `generate` of it alone."""
+    monkeypatch.setenv("JAXSPEC_LAYERS", layers)
+    model = load_model(fixture_path(f"tiny-{name}"))
+    cfg, last = model.config, model.config.num_layers - 1
+    prompts = _ragged_prompts(cfg.vocab_size)
+    alone = [generate(model.weights, cfg, [p], max_new_tokens=9, eos_ids=(), hidden_layers=(0, last))
+             for p in prompts]
+    eos = alone[2].token_ids[0][3]  # prompt 2 ends at its 4th token; others run to 9 tokens or stop where they meet it
+    answers = list(continuous_generate(model.weights, cfg, prompts, max_new_tokens=9, batch_size=3, eos_ids=(eos,),
+                                       hidden_layers=(0, last), steps_per_sync=2, start_group=2))
+    assert sorted(i for i, _, _ in answers) == list(range(len(prompts)))
+    lengths = set()
+    for index, tokens, features in answers:
+        full = alone[index].token_ids[0]
+        expected = full[: full.index(eos) + 1] if eos in full else full
+        assert tokens == expected, index
+        lengths.add(len(tokens))
+        fed = len(prompts[index]) + len(tokens) - 1
+        reference = alone[index].features[0][:, :fed].astype(np.float32)  # [2, fed, d]
+        assert features.shape == reference.shape
+        np.testing.assert_allclose(features.astype(np.float32), reference, rtol=2 ** -7, atol=1e-6)
+    assert len(lengths) > 1  # rows did finish at different steps, so rows were refilled mid-run
+
+
+def test_continuous_batching_samples_do_not_depend_on_the_batch(tiny_llama3):
+    _, model, _ = tiny_llama3
+    prompts = _ragged_prompts(model.config.vocab_size, 5)
+    sampling = SamplingConfig(temperature=1.0)
+
+    def run(batch_size, seed):
+        return dict((i, t) for i, t, _ in continuous_generate(model.weights, model.config, prompts, max_new_tokens=8,
+                                                              batch_size=batch_size, sampling=sampling, seed=seed,
+                                                              eos_ids=(), steps_per_sync=3))
+
+    two, five = run(2, 1), run(5, 1)
+    assert two == five and len(two) == len(prompts)
+    assert run(2, 2) != two
+
+
+def test_continuous_batching_refuses_a_prompt_that_does_not_fit(tiny_llama3):
+    _, model, _ = tiny_llama3
+    with pytest.raises(UserError, match="cache slots"):
+        next(continuous_generate(model.weights, model.config, [[1, 2], [1] * 5000], max_new_tokens=8))
