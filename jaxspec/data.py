@@ -15,8 +15,8 @@ Every file is written under a temporary name in the same folder, fsynced and ren
 is atomic), and a shard only counts once the manifest lists it with its sha256. A killed run therefore leaves at
 worst a temporary file or an unlisted shard; rerunning the same command in the same folder removes those,
 re-checks the finished shards and continues with the first unfinished one. Skipped prompts, shard boundaries and
-per-batch seeds depend only on the settings, so a resumed run writes exactly the shards an uninterrupted one
-would have.
+each answer's sampling keys (fixed by the seed and its prompt's index) depend only on the settings, so a resumed run
+writes exactly the shards an uninterrupted one would have.
 
 `RegeneratedDataset` reads such a folder back as shuffled, fixed-shape training batches that can be resumed at
 any sample (`batches(..., start=position)`).
@@ -255,42 +255,19 @@ def tokenizer_info(tokenizer) -> dict | None:
     }
 
 
-def _batch_seed(seed: int, shard: int, batch: int) -> int:
-    """The generation seed of one batch: fixed by (seed, shard, batch), so a resumed run draws the same tokens."""
-    return int(np.random.SeedSequence([seed, shard, batch]).generate_state(1)[0])
-
-
-def _generate_shard(target, prompt_ids: list[list[int]], shard: int, *, max_new_tokens: int, batch_size: int,
-                    sampling: SamplingConfig, seed: int, on_batch: Callable[[int, int], None],
-                    feature_layers: Sequence[int] = ()) -> dict[str, np.ndarray]:
-    """Answers one shard's prompts in batches of `batch_size`; returns the shard's arrays (without source_index),
-    with `features` uint16[n, sum(lengths), d] (bfloat16 bits) when `feature_layers` are given."""
-    from jaxspec.generate import generate
-
-    responses: list[list[int]] = []
-    features: list[np.ndarray] = []  # per sample, [n, length, d] bfloat16
-    for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
-        rows = prompt_ids[start: start + batch_size]
-        # a short last batch is filled with copies of its first prompt so the batch size, and with it the
-        # compilation, stays the same for the whole run; the copies are dropped
-        padded = rows + [rows[0]] * (batch_size - len(rows))
-        result = generate(target.weights, target.config, padded, max_new_tokens=max_new_tokens, sampling=sampling,
-                          seed=_batch_seed(seed, shard, b), hidden_layers=tuple(feature_layers))
-        new = result.token_ids[: len(rows)]
-        responses.extend(new)
-        if feature_layers:
-            for fed in result.features[: len(rows)]:  # [n, length - 1, d]: the last token was never fed
-                features.append(np.concatenate([fed, np.zeros_like(fed[:, :1])], axis=1))
-        on_batch(len(rows), sum(len(r) for r in new))
+def _shard_arrays(prompt_ids: list[list[int]], answers: list[tuple[list[int], np.ndarray | None]]) -> dict:
+    """One shard's arrays (without source_index) from its prompts and their (response, features) in order, with
+    `features` uint16[n, sum(lengths), d] (bfloat16 bits) when the answers carry them."""
     n = len(prompt_ids)
     prompt_lengths = np.array([len(p) for p in prompt_ids], np.int32)  # [N]
-    lengths = prompt_lengths + np.array([len(r) for r in responses], np.int32)  # [N]
+    lengths = prompt_lengths + np.array([len(r) for r, _ in answers], np.int32)  # [N]
     tokens = np.zeros((n, int(lengths.max())), np.int32)  # [N, W], right-padded with 0
-    for row, (p, r) in enumerate(zip(prompt_ids, responses)):
+    for row, (p, (r, _)) in enumerate(zip(prompt_ids, answers)):
         tokens[row, : lengths[row]] = list(p) + list(r)
     arrays = {"tokens": tokens, "prompt_lengths": prompt_lengths, "lengths": lengths}
-    if feature_layers:
-        arrays["features"] = np.concatenate(features, axis=1).view(np.uint16)  # [n, sum(lengths), d]
+    if answers[0][1] is not None:  # [n, length - 1, d] per sample: the last token was never fed, its row is zeros
+        fed = [np.concatenate([f, np.zeros_like(f[:, :1])], axis=1) for _, f in answers]
+        arrays["features"] = np.concatenate(fed, axis=1).view(np.uint16)  # [n, sum(lengths), d]
     return arrays
 
 
@@ -315,9 +292,11 @@ def regenerate_ids(
     """Answers already-tokenized prompts with the target and writes shards plus a manifest to `out_dir`.
 
     The lower level of `regenerate` (which applies the chat template first). Prompts longer than
-    `max_prompt_tokens` are skipped and counted; the rest are cut into shards of `shard_size` in order, and each
-    shard is generated in batches of `batch_size` with a seed derived from (seed, shard, batch). Rerunning in the
-    same folder resumes: see the module docstring.
+    `max_prompt_tokens` are skipped and counted; the rest are cut into shards of `shard_size` in order. The prompts
+    of the unfinished shards are answered by `batch_size` rows with continuous batching
+    (`jaxspec.generate.continuous_generate`: a row that finishes takes the next prompt), each answer sampled with
+    keys fixed by (seed, its prompt's index), and a shard is written as soon as all its answers are in. Rerunning
+    in the same folder resumes: see the module docstring.
 
     Args:
         target: A `LoadedModel` (config, weights; `fingerprint()` ties the data to it).
@@ -325,7 +304,7 @@ def regenerate_ids(
         out_dir: Folder for the shards and manifest (created if needed).
         max_prompt_tokens: Longer prompts are skipped.
         max_new_tokens: Most response tokens per prompt (EOS included when reached).
-        batch_size: Prompts generated together.
+        batch_size: Rows decoded together (each answering its own prompt).
         shard_size: Samples per shard file.
         sampling: Greedy (temperature 0) or the target distribution to sample from.
         seed: Base seed of the per-batch seeds.
@@ -428,12 +407,24 @@ def regenerate_ids(
                 bar.update(samples)
                 bar.set_postfix(tokens_per_s=f"{new_tokens / (time.perf_counter() - start_time):.1f}", refresh=False)
 
+        shard_prompts = {s: kept[s * shard_size: (s + 1) * shard_size] for s in todo}  # prompt indices per shard
+        stream = [(s, i) for s in todo for i in shard_prompts[s]]  # every prompt to answer, in order
+        answers: dict[int, dict[int, tuple]] = {s: {} for s in todo}  # shard -> prompt index -> (response, features)
         try:
-            for s in todo:
-                source = np.array(kept[s * shard_size: (s + 1) * shard_size], np.int64)  # [N]
-                arrays = _generate_shard(target, [prompt_ids[i] for i in source], s, max_new_tokens=max_new_tokens,
-                                         batch_size=batch_size, sampling=sampling, seed=seed, on_batch=on_batch,
-                                         feature_layers=feature_layers)
+            from jaxspec.generate import continuous_generate
+
+            for k, response, fed in continuous_generate(
+                    target.weights, target.config, [prompt_ids[i] for _, i in stream], max_new_tokens=max_new_tokens,
+                    batch_size=batch_size, sampling=sampling, seed=seed, hidden_layers=tuple(feature_layers),
+                    sample_ids=[first_prompt + i for _, i in stream]):
+                s, i = stream[k]
+                answers[s][i] = (response, fed)
+                on_batch(1, len(response))
+                if len(answers[s]) < len(shard_prompts[s]):
+                    continue
+                source = np.array(shard_prompts[s], np.int64)  # [N]
+                done = answers.pop(s)
+                arrays = _shard_arrays([prompt_ids[i] for i in source], [done[i] for i in source])
                 arrays["source_index"] = first_prompt + source  # indices in the whole prompt list
                 features = arrays.pop("features", None)
                 name = SHARD_PATTERN.format(s)

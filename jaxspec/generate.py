@@ -417,6 +417,7 @@ def continuous_generate(
     hidden_dtype=jnp.bfloat16,
     steps_per_sync: int = 16,
     start_group: int | None = None,
+    sample_ids: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, list[int], np.ndarray | None]]:
     """Answers many prompts with `batch_size` rows kept busy: a row that finishes takes the next prompt.
 
@@ -424,7 +425,9 @@ def continuous_generate(
     `steps_per_sync` steps at a time, and between such chunks the host hands the finished rows' answers back and
     prefills waiting prompts into their rows (in groups of `start_group` rows, default batch_size / 8, each group
     padded to a multiple of 64 tokens). Greedy answers equal `generate`'s; sampled ones are drawn with keys fixed
-    by (seed, the prompt's index, the token's index), so they do not depend on the batch either.
+    by (seed, the prompt's index, the token's index), so they do not depend on the batch either; `sample_ids`
+    (int per prompt) replaces the prompt's index there, so that a caller answering a later part of a prompt list
+    (a resumed regeneration) draws what a whole run would have.
 
     Yields (prompt index, new token ids with the EOS when reached, features) as answers finish, in any order.
     features (with `hidden_layers`): the residual stream after those layers at every token the target read (the
@@ -436,6 +439,9 @@ def continuous_generate(
     if batch_size < 1 or steps_per_sync < 1:
         raise UserError(f"batch_size and steps_per_sync must be at least 1, got {batch_size} and {steps_per_sync}.")
     prompt_ids = [list(map(int, p)) for p in prompt_ids]
+    sample_ids = list(range(len(prompt_ids))) if sample_ids is None else [int(i) for i in sample_ids]
+    if len(sample_ids) != len(prompt_ids):
+        raise UserError(f"sample_ids has {len(sample_ids)} entries for {len(prompt_ids)} prompts.")
     cache_size = pad_prompts(prompt_ids, max_new_tokens, cfg).cache_size  # checks every prompt fits
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
     hidden_layers = tuple(hidden_layers)
@@ -466,7 +472,7 @@ def continuous_generate(
             state = _start_rows(
                 weights, cfg, state, rng, jnp.asarray(rows + [b] * pad, jnp.int32), jnp.asarray(tokens),
                 jnp.asarray([len(p) for p in ids] + [len(ids[-1])] * pad, jnp.int32),
-                jnp.asarray(taken + [taken[-1]] * pad, jnp.int32), sampling, eos,
+                jnp.asarray([sample_ids[i] for i in taken + [taken[-1]] * pad], jnp.int32), sampling, eos,
                 hidden_layers=hidden_layers, hidden_dtype=hidden_dtype)
             busy.update(zip(rows, taken))
         state = _continue_rows(weights, cfg, state, rng, sampling, eos, steps=steps_per_sync,
