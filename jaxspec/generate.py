@@ -481,11 +481,13 @@ def continuous_generate(
         finished = [row for row in busy if done[row]]
         if not finished:
             continue
-        picked = jnp.asarray(finished, jnp.int32)
-        out, count = np.asarray(state.out[picked]), np.asarray(state.count[picked])  # [F, N], [F]
+        # the finished rows padded to a power of two (repeating the first), so the gathers compile a few times only
+        padded = 1 << (len(finished) - 1).bit_length()
+        picked = jnp.asarray(finished + finished[:1] * (padded - len(finished)), jnp.int32)
+        out, count = np.asarray(state.out[picked]), np.asarray(state.count[picked])  # [F', N], [F']
         hidden = None
         if hidden_layers:
-            hidden = np.asarray(jax.lax.bitcast_convert_type(state.features[:, picked], hidden_dtype))  # [n, F, S, d]
+            hidden = np.asarray(jax.lax.bitcast_convert_type(state.features[:, picked], hidden_dtype))  # [n, F', S, d]
         for j, row in enumerate(finished):
             index = busy.pop(row)
             free.append(row)
