@@ -34,7 +34,8 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
                         "reach; samples keep their index in the whole list")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer templated prompts are skipped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most response tokens per prompt")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows decoded together (continuous batching: a row that finishes takes the next prompt)")
     p.add_argument("--shard-size", type=int, default=64, help="samples per shard file")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
