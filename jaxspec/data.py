@@ -307,7 +307,7 @@ def regenerate_ids(
         batch_size: Rows decoded together (each answering its own prompt).
         shard_size: Samples per shard file.
         sampling: Greedy (temperature 0) or the target distribution to sample from.
-        seed: Base seed of the per-batch seeds.
+        seed: Base seed of every answer's sampling keys (with its prompt's index).
         progress: Show a tqdm bar (samples, ETA, tokens/s) on stderr.
         prompt_source: Where the prompts came from, recorded in the manifest.
         tokenizer: `tokenizer_info(...)` of the tokenizer that made the ids, recorded and checked on resume.

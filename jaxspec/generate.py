@@ -76,6 +76,28 @@ def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVC
     return out.logits[:, 0], cache
 
 
+def _decode_keeping_features(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVCache, done: jax.Array,
+                             features: jax.Array | None, mesh: Mesh | None, hidden_layers: tuple[int, ...],
+                             hidden_dtype):
+    """A decoding step of the rows not `done` (bool[B]) that also stores, with `hidden_layers`, the residual stream
+    after those layers at the fed token `last` (int32[B]) in `features` [n, B, S, d] (the bits of hidden_dtype) at the
+    token's position. Returns (logits [B, V], cache, features)."""
+    if not hidden_layers:
+        logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh)
+        return logits, cache, features
+    position = cache.lengths  # [B]: where `last` goes
+    logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers)
+    where = jnp.where(done, features.shape[2], position)  # finished rows write out of range, which is dropped
+    rows = jnp.arange(last.shape[0])
+    return logits, cache, features.at[:, rows, where].set(_to_bits(hidden, hidden_dtype), mode="drop")
+
+
+def _prompt_feature_bits(hidden: jax.Array, prompt_lengths: jax.Array, hidden_dtype) -> jax.Array:
+    """A prefill's features hidden [n, B, P, d] as the bits of hidden_dtype, zero past each row's prompt length."""
+    in_prompt = jnp.arange(hidden.shape[2])[None, :] < prompt_lengths[:, None]  # [B, P]
+    return _to_bits(jnp.where(in_prompt[None, :, :, None], hidden, 0), hidden_dtype)
+
+
 def _bits_dtype(dtype):
     """The unsigned integer type as wide as `dtype`."""
     return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
@@ -131,13 +153,11 @@ def generate_tokens(
     done = _is_eos(first, eos_ids)
     features = None
     if hidden_layers:
-        in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]  # [B, P]
-        prompt_features = jnp.where(in_prompt[None, :, :, None], prefill_out.hidden, 0)
         # kept as the bits of hidden_dtype (unsigned integers of its width): XLA:CPU widened a bfloat16 buffer to
         # float32 and back around every step's scatter, whole-buffer conversions that cost more than the step
         features = jnp.zeros((len(hidden_layers), b, p + max_new_tokens, cfg.hidden_size), _bits_dtype(hidden_dtype))
-        features = features.at[:, :, :p].set(_to_bits(prompt_features, hidden_dtype))  # [n, B, P + N, d]
-    rows = jnp.arange(b)
+        features = features.at[:, :, :p].set(_prompt_feature_bits(prefill_out.hidden, prompt_lengths,
+                                                                  hidden_dtype))  # [n, B, P + N, d]
 
     def cond(state):
         step, _, _, _, done, _ = state
@@ -145,14 +165,8 @@ def generate_tokens(
 
     def body(state):
         step, cache, out, last, done, features = state
-        position = cache.lengths  # [B]: where `last` goes
-        if hidden_layers:
-            logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers)
-            # finished rows write out of range, which is dropped
-            where = jnp.where(done, features.shape[2], position)
-            features = features.at[:, rows, where].set(_to_bits(hidden, hidden_dtype), mode="drop")
-        else:
-            logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh)
+        logits, cache, features = _decode_keeping_features(weights, cfg, last, cache, done, features, mesh,
+                                                           hidden_layers, hidden_dtype)
         new = sample_token(jax.random.fold_in(rng, step), logits, sampling)
         new = jnp.where(done, PAD, new)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
@@ -357,8 +371,7 @@ def _start_rows(weights: Weights, cfg: ModelConfig, state: RowsState, rng: jax.A
     first = _sample_rows(rng, sample, jnp.zeros_like(sample), logits, sampling)  # [R]
     features = state.features
     if hidden_layers:
-        in_prompt = jnp.arange(p)[None, :] < prompt_lengths[:, None]  # [R, P]
-        prompt = _to_bits(jnp.where(in_prompt[None, :, :, None], prefilled.hidden, 0), hidden_dtype)  # [n, R, P, d]
+        prompt = _prompt_feature_bits(prefilled.hidden, prompt_lengths, hidden_dtype)  # [n, R, P, d]
         width = features.shape[2]
         prompt = jnp.pad(prompt, ((0, 0), (0, 0), (0, width - p), (0, 0)))  # [n, R, S, d]: the rest zeroed
         features = features.at[:, rows].set(prompt, mode="drop")
@@ -386,13 +399,8 @@ def _continue_rows(weights: Weights, cfg: ModelConfig, state: RowsState, rng: ja
 
     def body(carry):
         step, s = carry
-        features = s.features
-        if hidden_layers:
-            logits, cache, hidden = decode_step(weights, cfg, s.last, s.cache, ~s.done, None, hidden_layers)
-            where = jnp.where(s.done, features.shape[2], s.cache.lengths)  # [B]: finished rows write nothing
-            features = features.at[:, rows, where].set(_to_bits(hidden, hidden_dtype), mode="drop")
-        else:
-            logits, cache = decode_step(weights, cfg, s.last, s.cache, ~s.done)
+        logits, cache, features = _decode_keeping_features(weights, cfg, s.last, s.cache, s.done, s.features, None,
+                                                           hidden_layers, hidden_dtype)
         new = jnp.where(s.done, PAD, _sample_rows(rng, s.sample, s.count, logits, sampling))  # [B]
         out = s.out.at[rows, jnp.where(s.done, n, s.count)].set(new, mode="drop")
         count = s.count + (~s.done).astype(jnp.int32)
@@ -463,17 +471,13 @@ def continuous_generate(
         while free and waiting:
             rows = [free.pop(0) for _ in range(min(group, len(free), len(waiting)))]
             taken = [waiting.pop() for _ in rows]
-            ids = [prompt_ids[i] for i in taken]
-            width = round_up(max(map(len, ids)), PROMPT_BUCKET)
-            tokens = np.zeros((group, width), np.int32)  # [R, P]: padding entries repeat the first prompt
-            for j in range(group):
-                tokens[j, : len(ids[min(j, len(ids) - 1)])] = ids[min(j, len(ids) - 1)]
-            pad = group - len(rows)
+            pad = group - len(rows)  # a short group is filled with copies of its last prompt, written to no row
+            ids = [prompt_ids[i] for i in taken + taken[-1:] * pad]
+            batch = pad_prompts(ids, max_new_tokens, cfg)  # tokens [R, P], lengths [R]
             state = _start_rows(
-                weights, cfg, state, rng, jnp.asarray(rows + [b] * pad, jnp.int32), jnp.asarray(tokens),
-                jnp.asarray([len(p) for p in ids] + [len(ids[-1])] * pad, jnp.int32),
-                jnp.asarray([sample_ids[i] for i in taken + [taken[-1]] * pad], jnp.int32), sampling, eos,
-                hidden_layers=hidden_layers, hidden_dtype=hidden_dtype)
+                weights, cfg, state, rng, jnp.asarray(rows + [b] * pad, jnp.int32), jnp.asarray(batch.tokens),
+                jnp.asarray(batch.lengths), jnp.asarray([sample_ids[i] for i in taken + taken[-1:] * pad], jnp.int32),
+                sampling, eos, hidden_layers=hidden_layers, hidden_dtype=hidden_dtype)
             busy.update(zip(rows, taken))
         state = _continue_rows(weights, cfg, state, rng, sampling, eos, steps=steps_per_sync,
                                hidden_layers=hidden_layers, hidden_dtype=hidden_dtype)
