@@ -39,7 +39,8 @@ def main() -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--drafter", default=None, help="an EAGLE-3 drafter folder (default: the shipped one)")
     p.add_argument("--data", required=True, help="a folder written by `jaxspec regenerate` with this target")
-    p.add_argument("--seen", default="0:12", help="sample range start:end the head was trained on")
+    p.add_argument("--seen", default="0:12",
+                   help="sample range start:end the head was trained on ('none': --data holds held-out samples only)")
     p.add_argument("--unseen-from-prompt", type=int, default=2000,
                    help="samples whose prompt index is at least this were never trained on")
     p.add_argument("--count", type=int, default=12, help="unseen samples to measure")
@@ -51,12 +52,14 @@ def main() -> None:
                                                           tree_width=1, tree_nodes=args.depth))
     dataset = RegeneratedDataset(args.data, verify=False)
     dataset.check_target(target.fingerprint())
-    start, end = (int(x) for x in args.seen.split(":"))
+    start, end = (0, 0) if args.seen == "none" else (int(x) for x in args.seen.split(":"))
     unseen = np.flatnonzero(dataset.source_index >= args.unseen_from_prompt)[: args.count]
     if len(unseen) == 0:
         raise SystemExit(f"no sample of '{args.data}' comes from prompt {args.unseen_from_prompt} or later yet")
     for name, indices in ((f"seen samples {start}:{end}", list(range(start, end))),
                           (f"unseen samples (prompt >= {args.unseen_from_prompt})", unseen.tolist())):
+        if not indices:
+            continue
         hits, tau, positions = chain_acceptance(method, target, dataset, indices, args.depth)
         print(f"{name}: {positions} positions, P(top-1 through depth j) {np.round(hits, 3).tolist()}, "
               f"chain-of-{args.depth} tau {tau:.2f}")
