@@ -85,8 +85,25 @@ def target(request):
     from jaxspec import load_model
 
     name = request.param
-    yield name, load_model(fixture_path(f"tiny-{name}")), np.load(fixture_path(f"tiny_{name}_reference.npz"))
+    model = load_model(fixture_path(f"tiny-{name}"))
+    _hand_made_cost_model(model)
+    yield name, model, np.load(fixture_path(f"tiny_{name}_reference.npz"))
     jax.clear_caches()  # a dozen loops per target: release their programs' memory maps (see conftest.py)
+
+
+def _hand_made_cost_model(model) -> None:
+    """Writes a cost model for `model` where --budget auto looks for one (the run's fresh jaxspec cache folder), so
+    the dynamic-tree methods, built with their defaults, size their trees from it instead of timing 16 verification
+    shapes per tiny target (a minute each; measuring is tested in test_budget.py). Verification nearly free of its
+    width, as on an accelerator: auto picks trees with siblings, which these greedy checks should cross, and the
+    same tree on every run instead of one that follows the host's speed."""
+    from jaxspec.budget import DEFAULT_CONTEXT, EAGLE_TOKEN_COUNTS, CostModel, cost_model_path, device_name
+
+    batch_sizes = (1, 3)  # the batch sizes generated below
+    seconds = [[0.01 * b * (1 + 0.01 * (t - 1)) for t in EAGLE_TOKEN_COUNTS] for b in batch_sizes]
+    CostModel(device=device_name(model.weights.embed.dtype), model=model.fingerprint(), batch_sizes=list(batch_sizes),
+              token_counts=list(EAGLE_TOKEN_COUNTS), seconds=seconds, context=DEFAULT_CONTEXT).save(
+        cost_model_path(model))
 
 
 @pytest.mark.parametrize("name", [n for n in METHOD_SPECS if n != "autoregressive"])
