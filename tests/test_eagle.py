@@ -416,6 +416,52 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
     assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
 
 
+def test_a_head_is_fine_tuned_into_another_draft_vocabulary(tiny_data, tmp_path):
+    """run.init_from with another draft_vocab_size: the new head keeps every trained weight and the trained LM-head
+    column of each token both vocabularies hold; a token new to it starts from the target's LM head (a fresh head's
+    column); the vocabulary is the data's most frequent tokens as for a fresh head. Other settings still refuse."""
+    from jaxspec.config_files import from_dict, to_dict
+    from jaxspec.data import RegeneratedDataset
+    from jaxspec.drafters.eagle import response_token_counts
+    from jaxspec.errors import UserError
+    from jaxspec.training.config import TrainConfig
+    from jaxspec.training.distill import train
+
+    target, data = tiny_data
+
+    def config(vocab, out, lr=3e-3, **run):
+        return from_dict(TrainConfig, {
+            "method": "eagle3", "target": TINY, "dtype": "float32",
+            "data": {"path": data, "seq_len": 32, "eval_holdout": 4},
+            "optim": {"learning_rate": lr, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
+            "loss": {"kind": "forward_kl", "position_decay": 0.8},
+            "run": {"steps": 1, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / out), "save_every": 1,
+                    "eval_every": 0, "log_every": 1, **run},
+            "drafter": {"draft_vocab_size": vocab, "depth": 2, "top_k": 2, "num_nodes": 3, "ttt_steps": 2},
+        })
+
+    small = train(config(16, "small", steps=3), progress=False)["params"]
+    # one step at a learning rate of 1e-12 shows the starting point
+    grown = train(config(48, "grown", lr=1e-12, init_from=str(tmp_path / "small" / "drafter")), progress=False)
+    grown = grown["params"]
+    counts = response_token_counts(RegeneratedDataset(data), 256)
+    fresh = Eagle3Config(draft_vocab_size=48, depth=2, top_k=2, num_nodes=3, ttt_steps=2).init_params(
+        target.config, target.weights, jax.random.key(0), counts)
+    np.testing.assert_array_equal(np.asarray(draft_to_target(grown)), np.asarray(draft_to_target(fresh)))
+    old_ids = np.asarray(draft_to_target(small)).tolist()
+    new_ids = np.asarray(draft_to_target(grown)).tolist()
+    assert set(old_ids) < set(new_ids)  # the 16 most frequent tokens are among the 48
+    for j, token in enumerate(new_ids):
+        expected = small.lm_head[:, old_ids.index(token)] if token in old_ids else fresh.lm_head[:, j]
+        np.testing.assert_allclose(np.asarray(grown.lm_head[:, j]), np.asarray(expected), atol=1e-6)
+    for name in ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "input_norm", "final_norm"):
+        np.testing.assert_allclose(np.asarray(getattr(grown, name)), np.asarray(getattr(small, name)), atol=1e-6)
+    plain = to_dict(config(48, "refused", init_from=str(tmp_path / "small" / "drafter")))
+    plain["drafter"]["ttt_steps"] = 3
+    with pytest.raises(UserError, match="other drafter settings.*ttt_steps"):
+        train(from_dict(TrainConfig, plain), progress=False)
+
+
 def test_config_file_and_refusals(tiny_llama3):
     import os
 

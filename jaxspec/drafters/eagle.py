@@ -306,6 +306,26 @@ def build_vocab_map(token_counts, draft_vocab_size: int) -> tuple[np.ndarray, np
     return d2t, t2d
 
 
+def with_draft_vocabulary(trained: Eagle3Params, fresh: Eagle3Params) -> Eagle3Params:
+    """A trained head moved to another draft vocabulary, to fine-tune it there: every weight is the trained head's
+    except the LM head, whose columns follow `fresh.d2t` (the new vocabulary): a token the trained head drafted
+    keeps its trained column, a token new to it starts from `fresh`'s column (the target's LM head, as
+    `init_eagle3_params` makes it).
+
+    Args:
+        trained: the head to move (its lm_head [d, Vd_old], d2t [Vd_old]).
+        fresh: fresh parameters of the new settings (lm_head [d, Vd_new], d2t [Vd_new]); only its LM head and d2t
+            are read.
+    """
+    old_ids = np.asarray(trained.d2t).astype(np.int64)  # [Vd_old], target ids
+    new_ids = np.asarray(fresh.d2t).astype(np.int64)  # [Vd_new]
+    old_column = {int(t): i for i, t in enumerate(old_ids)}
+    kept = np.array([old_column.get(int(t), -1) for t in new_ids])  # [Vd_new]: column in the trained head, or -1
+    trained_head = jnp.take(trained.lm_head, jnp.asarray(np.maximum(kept, 0)), axis=1)  # [d, Vd_new]
+    lm_head = jnp.where(jnp.asarray(kept >= 0)[None, :], trained_head.astype(fresh.lm_head.dtype), fresh.lm_head)
+    return dataclasses.replace(trained, lm_head=lm_head, d2t=fresh.d2t)
+
+
 def response_token_counts(dataset, vocab_size: int) -> np.ndarray:
     """int64[V]: occurrences of every token in the responses (not the prompts) of a `RegeneratedDataset`."""
     counts = np.zeros(vocab_size, np.int64)

@@ -197,20 +197,30 @@ def maybe_initialize_distributed() -> None:
 
 
 def _initial_params(directory: str, method: str, method_cfg, target, params):
-    """The parameters of the drafter in `directory`, checked to be this run's method, target and drafter settings."""
-    from jaxspec.checkpoint import load_drafter
+    """The parameters of the drafter in `directory`, checked to be this run's method, target and drafter settings.
+    An EAGLE-3 head may come from another draft vocabulary size: it is moved to this run's vocabulary
+    (`jaxspec.drafters.eagle.with_draft_vocabulary`), so a head can be fine-tuned into a larger or smaller one."""
+    from jaxspec.checkpoint import load_drafter, read_drafter_meta
+    from jaxspec.drafters.eagle import Eagle3Params, with_draft_vocabulary
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    saved_vocab = read_drafter_meta(directory)["config"].get("draft_vocab_size")
+    resized = isinstance(params, Eagle3Params) and saved_vocab not in (None, params.d2t.shape[0])
+    if resized:  # read the saved head with its own vocabulary's shapes
+        d = params.lm_head.shape[0]
+        abstract = dataclasses.replace(abstract, lm_head=jax.ShapeDtypeStruct((d, saved_vocab), params.lm_head.dtype),
+                                       d2t=jax.ShapeDtypeStruct((saved_vocab,), params.d2t.dtype))
     meta, loaded = load_drafter(directory, expected_method=method, target_fingerprint=target.fingerprint(),
                                 target_source=target.source, abstract_params=abstract)
     ours = to_dict(method_cfg)
-    differing = sorted(k for k in ours if k in meta["config"] and meta["config"][k] != ours[k])
+    differing = sorted(k for k in ours if k in meta["config"] and meta["config"][k] != ours[k]
+                       and not (resized and k == "draft_vocab_size"))
     if differing:
         saved = meta["config"]
         listed = ", ".join(f"{k}: {saved[k]} there, {ours[k]} here" for k in differing)
         raise UserError(f"run.init_from '{directory}' was trained with other drafter settings ({listed}); "
                         "use the same drafter settings or start from scratch (remove run.init_from).")
-    return loaded
+    return with_draft_vocabulary(loaded, params) if resized else loaded
 
 
 def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None = None) -> dict:
