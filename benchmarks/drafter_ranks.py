@@ -16,7 +16,7 @@ import argparse
 import numpy as np
 
 from jaxspec.data import RegeneratedDataset
-from jaxspec.drafters.eagle import draft_ranks
+from jaxspec.drafters.eagle import draft_ranks, draft_to_target
 from jaxspec.loading import DEFAULT_MODEL, load_model
 from jaxspec.methods import MethodOptions, build_method
 
@@ -32,6 +32,14 @@ def chain_acceptance(method, target, dataset, indices, depth: int) -> tuple[np.n
                         head_cfg=method.drafter.head_config(target.config))  # [P, depth]
     hits = np.cumprod(ranks == 0, axis=1)  # [P, depth]
     return hits.mean(0), float((1 + hits.sum(1)).mean()), len(ranks)
+
+
+def vocabulary_coverage(method, dataset, indices) -> float:
+    """The fraction of the samples' response tokens that the head's draft vocabulary holds (it can draft no other)."""
+    in_vocabulary = np.zeros(method.target.config.vocab_size, bool)  # [V]
+    in_vocabulary[np.asarray(draft_to_target(method.params)).astype(np.int64)] = True
+    responses = np.concatenate([dataset.sample(i)[int(dataset.prompt_lengths[i]):] for i in indices])  # [N]
+    return float(in_vocabulary[responses].mean())
 
 
 def main() -> None:
@@ -62,7 +70,8 @@ def main() -> None:
             continue
         hits, tau, positions = chain_acceptance(method, target, dataset, indices, args.depth)
         print(f"{name}: {positions} positions, P(top-1 through depth j) {np.round(hits, 3).tolist()}, "
-              f"chain-of-{args.depth} tau {tau:.2f}")
+              f"chain-of-{args.depth} tau {tau:.2f}, {vocabulary_coverage(method, dataset, indices):.1%} of the "
+              "response tokens in the draft vocabulary")
 
 
 if __name__ == "__main__":
