@@ -472,11 +472,11 @@ def continuous_generate(
             rows = [free.pop(0) for _ in range(min(group, len(free), len(waiting)))]
             taken = [waiting.pop() for _ in rows]
             pad = group - len(rows)  # a short group is filled with copies of its last prompt, written to no row
-            ids = [prompt_ids[i] for i in taken + taken[-1:] * pad]
-            batch = pad_prompts(ids, max_new_tokens, cfg)  # tokens [R, P], lengths [R]
+            members = taken + taken[-1:] * pad  # [R] prompt indices
+            batch = pad_prompts([prompt_ids[i] for i in members], max_new_tokens, cfg)  # tokens [R, P], lengths [R]
             state = _start_rows(
                 weights, cfg, state, rng, jnp.asarray(rows + [b] * pad, jnp.int32), jnp.asarray(batch.tokens),
-                jnp.asarray(batch.lengths), jnp.asarray([sample_ids[i] for i in taken + taken[-1:] * pad], jnp.int32),
+                jnp.asarray(batch.lengths), jnp.asarray([sample_ids[i] for i in members], jnp.int32),
                 sampling, eos, hidden_layers=hidden_layers, hidden_dtype=hidden_dtype)
             busy.update(zip(rows, taken))
         state = _continue_rows(weights, cfg, state, rng, sampling, eos, steps=steps_per_sync,

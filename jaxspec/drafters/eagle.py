@@ -319,8 +319,9 @@ def with_draft_vocabulary(trained: Eagle3Params, fresh: Eagle3Params) -> Eagle3P
     """
     old_ids = np.asarray(trained.d2t).astype(np.int64)  # [Vd_old], target ids
     new_ids = np.asarray(fresh.d2t).astype(np.int64)  # [Vd_new]
-    old_column = {int(t): i for i, t in enumerate(old_ids)}
-    kept = np.array([old_column.get(int(t), -1) for t in new_ids])  # [Vd_new]: column in the trained head, or -1
+    old_column = np.full(max(old_ids.max(), new_ids.max()) + 1, -1)  # by target id: its trained column, or -1
+    old_column[old_ids] = np.arange(len(old_ids))
+    kept = old_column[new_ids]  # [Vd_new]
     trained_head = jnp.take(trained.lm_head, jnp.asarray(np.maximum(kept, 0)), axis=1)  # [d, Vd_new]
     lm_head = jnp.where(jnp.asarray(kept >= 0)[None, :], trained_head.astype(fresh.lm_head.dtype), fresh.lm_head)
     return dataclasses.replace(trained, lm_head=lm_head, d2t=fresh.d2t)
