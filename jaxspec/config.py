@@ -259,8 +259,8 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(cls, reader) -> ModelConfig:
-        """Builds a config from the metadata of a `gguf.GGUFReader`."""
-        meta = gguf_metadata(reader)
+        """Builds a config from the metadata of a `jaxspec.gguf_file.GGUFFile`."""
+        meta = reader.metadata
         gguf_arch = meta.get("general.architecture")
         if gguf_arch not in GGUF_ARCHITECTURES:
             raise UserError(
@@ -415,19 +415,6 @@ def _rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling:
             original_max_position=int(params.get("original_max_position_embeddings", 8192)),
         )
     raise UserError(f"RoPE scaling '{kind}' is not supported (default, linear and llama3 are).")
-
-
-def gguf_metadata(reader) -> dict[str, Any]:
-    """The scalar and string metadata of a GGUF file as a plain dict (arrays become lists)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # exotic field types carry nothing a config needs
-            continue
-    return meta
 
 
 # Known small configs used by tests and eval_shape checks.

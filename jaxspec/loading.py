@@ -122,12 +122,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bo
 
 
 def open_gguf(path: str):
-    """A `gguf.GGUFReader` for `path`, with a clear error for a corrupt or truncated file."""
-    import gguf
+    """A `jaxspec.gguf_file.GGUFFile` for `path`, with a clear error for a corrupt or truncated file."""
+    from jaxspec.gguf_file import GGUFFile
 
     try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises many kinds of errors on bad files
+        return GGUFFile(path)
+    except Exception as e:  # a bad file fails in many ways (bad magic, a truncated header or tensor, bad UTF-8)
         raise UserError(
             f"Could not read the GGUF file '{path}' ({type(e).__name__}: {e}); it is corrupt or truncated: "
             "download or copy it again."
@@ -142,7 +142,7 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def load_gguf(path: str, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, Weights]:
     """Reads a GGUF file: config from its metadata, every tensor dequantized to float, Q/K rows un-permuted.
-    reader: the file's `gguf.GGUFReader` when it is already open."""
+    reader: the file's `jaxspec.gguf_file.GGUFFile` when it is already open."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path) if reader is None else reader

@@ -64,9 +64,9 @@ def plan_config(name_or_path: str) -> ModelConfig:
     if name_or_path.endswith(".json") or os.path.isdir(name_or_path):
         return ModelConfig.from_hf_config(name_or_path)
     if name_or_path.endswith(".gguf") or name_or_path in KNOWN_MODELS:
-        import gguf
+        from jaxspec.loading import open_gguf
 
-        return ModelConfig.from_gguf(gguf.GGUFReader(resolve_model_path(name_or_path)))
+        return ModelConfig.from_gguf(open_gguf(resolve_model_path(name_or_path)))
     raise UserError(f"jaxspec plan needs a model config: '{name_or_path}' is neither a built-in name "
                     f"({', '.join(BUILTIN_CONFIGS)}), a known model ({', '.join(KNOWN_MODELS)}), a .gguf file, nor "
                     "a config.json or a folder holding one.")

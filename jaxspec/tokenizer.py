@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import gguf
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+    from jaxspec.gguf_file import GGUFFile
+
 __all__ = ["SUPPORTED_PRE_TOKENIZERS", "load_tokenizer", "tokenizer_from_gguf"]
 
 logger = logging.getLogger(__name__)
@@ -121,21 +123,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars)}
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    """Read one metadata value from a GGUF reader.
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """Read one metadata value from a GGUF file.
 
     Args:
-        reader: An open ``gguf.GGUFReader``.
+        reader: An open ``jaxspec.gguf_file.GGUFFile``.
         key: The metadata key, e.g. ``"tokenizer.ggml.model"``.
         default: Returned when the key is absent.
 
     Returns:
         The value as a Python object (str, int, bool, float, or a list of those), or ``default``.
     """
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.get(key, default)
 
 
 def _byte_level_vocab(tokens: list[str], token_types: list[int], keep: set[int]) -> dict[str, int]:
@@ -213,7 +212,7 @@ def _unsupported(what: str) -> ValueError:
     )
 
 
-def _special_token_ids(reader: gguf.GGUFReader, tokens: list[str], token_types: list[int]) -> dict[str, int]:
+def _special_token_ids(reader: GGUFFile, tokens: list[str], token_types: list[int]) -> dict[str, int]:
     """Read the BOS/EOS/UNK/PAD ids, keeping only those that name a control, user-defined or unknown token.
 
     A special token is matched whole wherever it appears in the text. If the file points one of these roles at an
@@ -221,7 +220,7 @@ def _special_token_ids(reader: gguf.GGUFReader, tokens: list[str], token_types: 
     dropped with a warning instead.
 
     Args:
-        reader: An open ``gguf.GGUFReader``.
+        reader: An open ``jaxspec.gguf_file.GGUFFile``.
         tokens: ``tokenizer.ggml.tokens``.
         token_types: ``tokenizer.ggml.token_type``.
 
@@ -258,29 +257,32 @@ def _template(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> proce
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[*before, *after])
 
 
-def _open_reader(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> gguf.GGUFReader:
-    """Open a GGUF file, or pass an already open reader through.
+def _open_reader(path_or_reader: str | os.PathLike | GGUFFile | gguf.GGUFReader) -> GGUFFile:
+    """Open a GGUF file, or pass an already open one through.
 
     Args:
-        path_or_reader: Path of a ``.gguf`` file, or a ``gguf.GGUFReader``.
+        path_or_reader: Path of a ``.gguf`` file, a ``jaxspec.gguf_file.GGUFFile``, or a ``gguf.GGUFReader`` (its
+            file is read again with ``GGUFFile``).
 
     Returns:
-        A ``gguf.GGUFReader``.
+        A ``GGUFFile``.
 
     Raises:
         FileNotFoundError: If the path does not exist.
     """
-    if isinstance(path_or_reader, (str, os.PathLike)):
-        import gguf
+    from jaxspec.gguf_file import GGUFFile
 
-        path = os.fspath(path_or_reader)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No GGUF file at {path!r}.")
-        return gguf.GGUFReader(path, "r")
-    return path_or_reader
+    if isinstance(path_or_reader, GGUFFile):
+        return path_or_reader
+    if not isinstance(path_or_reader, (str, os.PathLike)):  # a gguf.GGUFReader: its memory map names the file
+        path_or_reader = path_or_reader.data.filename
+    path = os.fspath(path_or_reader)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No GGUF file at {path!r}.")
+    return GGUFFile(path)
 
 
-def tokenizer_from_gguf(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> PreTrainedTokenizerFast:
+def tokenizer_from_gguf(path_or_reader: str | os.PathLike | GGUFFile | gguf.GGUFReader) -> PreTrainedTokenizerFast:
     """Build a Hugging Face fast tokenizer from the tokenizer metadata of a GGUF file.
 
     The BPE model gets the file's vocabulary and merges; the normalizer and pre-tokenizer follow
@@ -290,7 +292,7 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> 
     ``add_eos_token``, and the chat template from ``tokenizer.chat_template``.
 
     Args:
-        path_or_reader: Path of a ``.gguf`` file, or an open ``gguf.GGUFReader``.
+        path_or_reader: Path of a ``.gguf`` file, an open ``jaxspec.gguf_file.GGUFFile``, or a ``gguf.GGUFReader``.
 
     Returns:
         A ``transformers.PreTrainedTokenizerFast`` whose ``encode``/``decode``/``apply_chat_template`` match the
@@ -337,7 +339,7 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> 
     return _wrap(reader, backend, tokens, token_types, special_ids, spec.add_bos, byte_level)
 
 
-def _tokens_and_types(reader: gguf.GGUFReader) -> tuple[list[str], list[int]]:
+def _tokens_and_types(reader: GGUFFile) -> tuple[list[str], list[int]]:
     """``tokenizer.ggml.tokens`` and their llama.cpp types (all NORMAL when the file stores none)."""
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
@@ -350,7 +352,7 @@ def _tokens_and_types(reader: gguf.GGUFReader) -> tuple[list[str], list[int]]:
 _SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
-def _sentencepiece_tokenizer(reader: gguf.GGUFReader) -> PreTrainedTokenizerFast:
+def _sentencepiece_tokenizer(reader: GGUFFile) -> PreTrainedTokenizerFast:
     """Gemma's SentencePiece BPE from a GGUF vocabulary: spaces become "▁", no space is prepended, bytes the
     vocabulary lacks fall back to its <0xXX> tokens. The file stores no merges: they are recovered from the
     vocabulary, where every piece of two or more characters is a merge of two shorter pieces, ranked by the piece's

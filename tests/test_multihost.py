@@ -160,6 +160,9 @@ def _child(config_path: str, out: str) -> None:
                       "feature_rows_read": rows_read, "params": params, "eval_tau": tau}))
 
 if __name__ == "__main__" and "--child" in sys.argv:
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", True)  # a tiny model: compiling is the time, not running
     mode, *rest = sys.argv[sys.argv.index("--child") + 1:]
     if mode == "train":
         _child(*rest)

@@ -74,12 +74,16 @@ def teacher_forced_logits(cfg, weights, tokens, num_steps, n, mesh=None):
     x = jnp.zeros((n, 1, 1, cfg.hidden_size))  # [n, B, W, d]
     positions = jnp.zeros((n, 1), jnp.int32)
     active = jnp.zeros((n, 1), jnp.bool_)
+    # one compiled step for every step (run eagerly, each op of the mesh's shard_map dispatched on its own took
+    # minutes on fake devices)
+    step_fn = jax.jit(lambda layers, stage_cache, x, positions, active: pipeline_step(
+        cfg, n, layers, stage_cache, x, positions, active, mesh))
     logits = []
     for step in range(num_steps):
         x = x.at[0].set(embed_tokens(weights, cfg, tokens[:, p + step: p + step + 1]))
         positions = positions.at[0].set(p + step)
         active = active.at[0].set(True)
-        shifted, _, stage_cache = pipeline_step(cfg, n, layers, stage_cache, x, positions, active, mesh)
+        shifted, _, stage_cache = step_fn(layers, stage_cache, x, positions, active)
         if active[n - 1, 0]:
             logits.append(lm_head(weights, cfg, shifted[0])[0, 0])
         x, positions, active = shifted, jnp.roll(positions, 1, 0), jnp.roll(active, 1, 0)
