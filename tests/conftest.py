@@ -5,9 +5,17 @@ import os
 import shutil
 import tempfile
 
-import jax
-import numpy as np
-import pytest
+# XLA:CPU's loop emitters of before its MLIR fusion emitters: the suite is mostly compilation of tiny models, and
+# these compile them in about half the time (the registry's Llama tests 136 -> 76 s, the CLI tests on SmolLM2 108 ->
+# 99 s; docs/cpu-performance.md). Set before JAX starts its CPU backend; the child processes, notebook kernels and
+# xdist workers inherit it. jaxspec itself and the benchmarks run XLA's defaults.
+TEST_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    *(f for f in TEST_XLA_FLAGS if f not in os.environ.get("XLA_FLAGS", ""))]).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

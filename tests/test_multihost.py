@@ -45,7 +45,7 @@ def _run(config: dict | None, out: str, processes: int, tmp_path) -> list[dict]:
     path = tmp_path / f"{os.path.basename(out)}.json"
     path.write_text(json.dumps(config))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={4 // processes}",
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), *filter(None, [os.environ.get(
                    "PYTHONPATH")])]))
     if processes > 1:
