@@ -138,9 +138,10 @@ REAL_MODEL_FIXTURES = frozenset({"smollm2", "cli_smollm2", "smollm2_reference"})
 @pytest.fixture(autouse=True)
 def _quick_compilation_for_tiny_models(request):
     """Tests on tiny models spend their time compiling, not running: XLA's optimization passes off for them (a
-    third less time), on for the tests of the real model. Module and session fixtures run before this one and keep
-    the default (optimized)."""
-    tiny = REAL_MODEL_FIXTURES.isdisjoint(request.fixturenames)
+    third less time), on for the tests of the real model and for those marked `optimized` (thousands of sampled
+    rows through a deep pipeline: 111 -> 68 s for the three of test_pipeline.py). Module and session fixtures run
+    before this one and keep the default (optimized)."""
+    tiny = REAL_MODEL_FIXTURES.isdisjoint(request.fixturenames) and request.node.get_closest_marker("optimized") is None
     previous = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", tiny)
     yield

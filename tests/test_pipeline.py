@@ -169,6 +169,7 @@ T1, T07_K3, T13_P08 = (SamplingConfig(temperature=1.0), SamplingConfig(temperatu
 
 # two stages at W = 1, with each filter, run for ppsd and spd from the registry in test_sampled_loop.py; here the
 # deeper pipelines and the siblings that only these counters show
+@pytest.mark.optimized  # 3 x 4000 rows through 4 stages: running them unoptimized costs more than compiling
 @pytest.mark.parametrize("n,width,kind,sampling", [(4, 1, "ppsd", T07_K3), (4, 2, "ppsd", T1), (4, 2, "spd", T13_P08)])
 def test_sampled_output_has_the_target_distribution(n, width, kind, sampling):
     """12,000 sampled 3-token continuations against the target's exact distribution (all 6^3 sequences enumerated):
