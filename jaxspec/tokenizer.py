@@ -123,20 +123,6 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars)}
 
 
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    """Read one metadata value from a GGUF file.
-
-    Args:
-        reader: An open ``jaxspec.gguf_file.GGUFFile``.
-        key: The metadata key, e.g. ``"tokenizer.ggml.model"``.
-        default: Returned when the key is absent.
-
-    Returns:
-        The value as a Python object (str, int, bool, float, or a list of those), or ``default``.
-    """
-    return reader.get(key, default)
-
-
 def _byte_level_vocab(tokens: list[str], token_types: list[int], keep: set[int]) -> dict[str, int]:
     """Map each token to its id, spelling normal tokens in the byte-level alphabet.
 
@@ -229,7 +215,7 @@ def _special_token_ids(reader: GGUFFile, tokens: list[str], token_types: list[in
     """
     ids = {}
     for name in ("bos", "eos", "unknown", "padding"):
-        token_id = _field(reader, f"tokenizer.ggml.{name}_token_id")
+        token_id = reader.get(f"tokenizer.ggml.{name}_token_id")
         if token_id is None:
             continue
         if not 0 <= token_id < len(tokens):
@@ -304,15 +290,15 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | GGUFFile | gguf.GGUF
             example a SentencePiece ``"llama"`` or a ``"t5"`` vocabulary).
     """
     reader = _open_reader(path_or_reader)
-    model = _field(reader, "tokenizer.ggml.model")
+    model = reader.get("tokenizer.ggml.model")
     if model is None:
         raise ValueError("This GGUF file has no tokenizer (no 'tokenizer.ggml.model' key).")
-    architecture = _field(reader, "general.architecture")
+    architecture = reader.get("general.architecture")
     if model == "llama" and architecture in _SENTENCEPIECE_ARCHITECTURES:
         return _sentencepiece_tokenizer(reader)
     if model != "gpt2":
         raise _unsupported(f"The GGUF tokenizer model {model!r} (tokenizer.ggml.model) of a {architecture!r} model")
-    pre = _field(reader, "tokenizer.ggml.pre")
+    pre = reader.get("tokenizer.ggml.pre")
     spec = SUPPORTED_PRE_TOKENIZERS.get(pre)
     if spec is None:
         raise _unsupported(f"The GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
@@ -320,7 +306,7 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | GGUFFile | gguf.GGUF
     tokens, token_types = _tokens_and_types(reader)
     special_ids = _special_token_ids(reader, tokens, token_types)
     vocab = _byte_level_vocab(tokens, token_types, keep=set(special_ids.values()))
-    merges = _parse_merges(_field(reader, "tokenizer.ggml.merges", []), vocab)
+    merges = _parse_merges(reader.get("tokenizer.ggml.merges", []), vocab)
 
     backend = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, ignore_merges=spec.ignore_merges)
@@ -341,8 +327,8 @@ def tokenizer_from_gguf(path_or_reader: str | os.PathLike | GGUFFile | gguf.GGUF
 
 def _tokens_and_types(reader: GGUFFile) -> tuple[list[str], list[int]]:
     """``tokenizer.ggml.tokens`` and their llama.cpp types (all NORMAL when the file stores none)."""
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    tokens: list[str] = reader.get("tokenizer.ggml.tokens")
+    token_types: list[int] = reader.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise ValueError(f"GGUF tokenizer has {len(tokens)} tokens but {len(token_types)} token types.")
     return tokens, token_types
@@ -399,8 +385,8 @@ def _wrap(reader, backend: Tokenizer, tokens: list[str], token_types: list[int],
     bos, eos, unk, pad = (
         tokens[special_ids[name]] if name in special_ids else None for name in ("bos", "eos", "unknown", "padding")
     )
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", default_add_bos)) and bos is not None
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    add_bos = bool(reader.get("tokenizer.ggml.add_bos_token", default_add_bos)) and bos is not None
+    add_eos = bool(reader.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     # transformers rebuilds the same template from add_bos_token/add_eos_token; setting it here keeps the bare
     # `tokenizers.Tokenizer` (backend_tokenizer) right on its own too.
     template = _template((bos, special_ids["bos"]) if add_bos else None, (eos, special_ids["eos"]) if add_eos else None)
@@ -415,10 +401,10 @@ def _wrap(reader, backend: Tokenizer, tokens: list[str], token_types: list[int],
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
     }
-    chat_template = _field(reader, "tokenizer.chat_template")
+    chat_template = reader.get("tokenizer.chat_template")
     if chat_template:
         kwargs["chat_template"] = chat_template
-    name = _field(reader, "general.name")
+    name = reader.get("general.name")
     if name:
         kwargs["name_or_path"] = name
     return PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in kwargs.items() if v is not None})

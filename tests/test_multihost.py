@@ -44,8 +44,9 @@ def _run(config: dict | None, out: str, processes: int, tmp_path) -> list[dict]:
     generation of `_child_generate`. Returns each process's JSON."""
     path = tmp_path / f"{os.path.basename(out)}.json"
     path.write_text(json.dumps(config))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={4 // processes}",
+    from fake_devices import fake_device_env
+
+    env = dict(fake_device_env(4 // processes),
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), *filter(None, [os.environ.get(
                    "PYTHONPATH")])]))
     if processes > 1:

