@@ -410,6 +410,10 @@ def regenerate_ids(
         shard_prompts = {s: kept[s * shard_size: (s + 1) * shard_size] for s in todo}  # prompt indices per shard
         stream = [(s, i) for s in todo for i in shard_prompts[s]]  # every prompt to answer, in order
         answers: dict[int, dict[int, tuple]] = {s: {} for s in todo}  # shard -> prompt index -> (response, features)
+        if not stream:  # a finished run resumed: nothing left to answer
+            if bar is not None:
+                bar.close()
+            return manifest
         try:
             from jaxspec.generate import continuous_generate
 

@@ -125,6 +125,8 @@ def test_killed_run_resumes_to_the_same_shards(target, greedy_dir, tmp_path):
             np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name} {key}")
     assert np.concatenate([z["source_index"] for z in b.values()]).tolist() == KEPT
     assert json.load(open(resumed / MANIFEST))["complete"]
+    written.clear()  # the same command once more, on the finished run: nothing to do, nothing rewritten
+    assert _run(target, resumed, on_shard=lambda s, m: written.append(s), **sampled)["complete"] and not written
     greedy = _shards(greedy_dir)
     assert any(not np.array_equal(greedy[n]["tokens"], a[n]["tokens"]) for n in a)  # it did sample
 
