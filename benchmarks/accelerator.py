@@ -9,7 +9,7 @@ methods that need no training run here: prompt lookup and the shipped EAGLE-3 dr
 MT-Bench prompts at each batch size, 128 new tokens. Writes into --out the bench's own files (results.json,
 results.md, plots) and accelerator.md: the device, the date, and one table of tokens/s, tau and speedup per method
 and batch size, ready for the README. Sized for about 8 minutes on one H200 including compilation (--limit 32: a
-batch-32 run is one batch).
+batch-32 run is one batch); --limit 16 --batch-sizes 1,8,16 took 192 s there on 2026-12-04.
 """
 
 from __future__ import annotations
@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             f"`python benchmarks/accelerator.py {' '.join(argv if argv is not None else sys.argv[1:])}`: "
             f"{settings['limit']} MT-Bench prompts, {settings['max_new_tokens']} new tokens, T=0, compilation "
             "excluded; speedups over autoregressive decoding in the same run.\n\n" + table(bench["results"]) + "\n")
+    if dtype != "float32":  # measured on an H200 (README, 2026-12-04)
+        text += (f"\nIn {dtype} greedy outputs may part from autoregressive ones: verifying T tokens in one "
+                 "forward sums the products in another order than decoding them one by one, which can flip a near tie. "
+                 "`--dtype float32` with JAX_DEFAULT_MATMUL_PRECISION=highest checks identity.\n")
     with open(os.path.join(args.out, "accelerator.md"), "w") as f:
         f.write(text)
     print(text)
