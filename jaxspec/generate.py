@@ -196,6 +196,43 @@ class Batch:
     cache_size: int
 
 
+def fastest_layout(weights: Weights, cfg: ModelConfig, batch_size: int, cache_size: int,
+                   hidden_layers: tuple[int, ...] = (), steps: int = 9, repeats: int = 2) -> tuple[str, dict]:
+    """The CPU weight layout ("stacked" or "unstacked") that decodes a `batch_size`-row step faster on this machine.
+
+    Which one wins differs between machines and batch sizes (docs/cpu-performance.md: per-layer buffers on an AMD
+    EPYC at batch 64, the stacked scan on an Intel Xeon), so it is measured: `generate_tokens` over `cache_size`
+    slots (keeping `hidden_layers`, as regeneration does) in each layout, timed in turn in this process (the host's
+    speed drifts between processes), prefill subtracted, the best of `repeats`. Off CPU the stacked scan is the
+    only layout (accelerators fuse its slice into the product) and nothing is timed.
+
+    Returns:
+        (the layout, {layout: seconds per decoding step}); the dict is empty off CPU.
+    """
+    if jax.default_backend() != "cpu":
+        return "stacked", {}
+    from jaxspec.model import feature_major_layers
+
+    layouts = {"stacked": weights, "unstacked": feature_major_layers(weights)}
+    tokens = jnp.zeros((batch_size, 16), jnp.int32)  # [B, 16]
+    lengths = jnp.full((batch_size,), 8, jnp.int32)  # [B]: an 8-token context per row
+
+    def run(layer_weights, n: int) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(generate_tokens(layer_weights, cfg, tokens, lengths, jax.random.key(0),
+                                              max_new_tokens=n, cache_size=cache_size, hidden_layers=hidden_layers))
+        return time.perf_counter() - start
+
+    for layer_weights in layouts.values():  # compile both lengths first
+        run(layer_weights, steps)
+        run(layer_weights, 1)
+    best = {name: float("inf") for name in layouts}
+    for _ in range(repeats):
+        for name, layer_weights in layouts.items():
+            best[name] = min(best[name], (run(layer_weights, steps) - run(layer_weights, 1)) / (steps - 1))
+    return min(best, key=best.get), best
+
+
 def pad_prompts(prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, cfg: ModelConfig,
                 max_cache_length: int | None = None, draft_slots: int = 0) -> Batch:
     """Right-pads token id lists into a bucketed batch and picks the cache size; checks everything fits.

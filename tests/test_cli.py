@@ -129,7 +129,8 @@ def test_weights_only_folder_cannot_take_text(capsys):
 def test_shipped_eagle3_drafter_reproduces_transformers_greedy(cli_smollm2, smollm2_reference, capsys, tmp_path):
     smollm2 = cli_smollm2
     """`--method eagle3` with no --drafter uses the drafter shipped in the package (bf16, at most 20 MB, made for this
-    exact target); its greedy output is transformers' greedy output, and --speedup reports the comparison."""
+    exact target); its greedy output is transformers' greedy output at batch 1 and 3, and --speedup reports the
+    comparison."""
     from jaxspec.checkpoint import read_drafter_meta
     from jaxspec.methods import shipped_drafter
 
@@ -158,6 +159,15 @@ def test_shipped_eagle3_drafter_reproduces_transformers_greedy(cli_smollm2, smol
         stats = record["stats"]
         assert stats["method"] == "eagle3" and stats["tau"] >= 1 and stats["same_tokens_as_autoregressive"]
         assert stats["speedup"] > 0 and stats["autoregressive_tokens_per_second"] > 0
+    # batch 3, prompts of different lengths in one batch: each row is still transformers' greedy answer
+    all_prompts = json.loads(str(ref["prompts"]))
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in all_prompts[1:4]))
+    code, out, err = _run(capsys, "generate", "--method", "eagle3", "--prompts-file", str(path), "--json",
+                          "--max-new-tokens", "48", "--batch-size", "3")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.strip().splitlines()]
+    assert len({len(ref[f"prompt_ids_{i}"].reshape(-1)) for i in (1, 2, 3)}) > 1  # ragged
+    assert [r["token_ids"] for r in records] == [ref[f"greedy_{i}"].reshape(-1).tolist() for i in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("method,extra", [("ddtree", ["--budget", "8", "--tree-width", "2"])])

@@ -342,3 +342,27 @@ def test_a_later_part_of_the_prompts_keeps_the_whole_lists_indices(target, greed
     assert sorted(part) == [i for i in KEPT if i >= first]
     assert part == {i: whole[i] for i in part}
     assert json.load(open(tmp_path / MANIFEST))["prompts"]["first"] == first
+
+
+@pytest.mark.parametrize("faster", ["stacked", "unstacked"])
+def test_fastest_layout_picks_the_layout_that_decodes_faster(target, monkeypatch, faster):
+    """`jaxspec regenerate --layers auto`: the layout whose measured step (prefill subtracted) is shorter, with the
+    step times it measured; here the generation loop is replaced by one whose step cost per layout is known."""
+    import time as time_module
+
+    generate_module = importlib.import_module("jaxspec.generate")  # the module (jaxspec.generate is also a function)
+
+    step_ms = {"stacked": 3.0, "unstacked": 3.0}
+    step_ms["unstacked" if faster == "stacked" else "stacked"] = 9.0
+
+    def fake_generate_tokens(weights, cfg, tokens, lengths, rng, *, max_new_tokens, cache_size, hidden_layers):
+        layout = "unstacked" if isinstance(weights.layers, tuple) else "stacked"
+        assert tokens.shape[0] == 4 and cache_size == 48 and hidden_layers == (1,)
+        time_module.sleep((20.0 + step_ms[layout] * max_new_tokens) / 1e3)  # a 20 ms prefill, then the steps
+        return tokens
+
+    monkeypatch.setattr(generate_module, "generate_tokens", fake_generate_tokens)
+    layout, seconds = generate_module.fastest_layout(target.weights, target.config, 4, 48, (1,), steps=5, repeats=1)
+    assert layout == faster and set(seconds) == {"stacked", "unstacked"}
+    assert seconds[faster] * 1e3 == pytest.approx(3.0, abs=2.0) and seconds[layout] < min(
+        v for k, v in seconds.items() if k != layout)

@@ -45,9 +45,10 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated target layers whose output to save at every token while generating "
                         "(e.g. 2,15,27,29 for EAGLE-3 on SmolLM2 plus the last layer for the target's logits); "
                         "training then reads them instead of running the target again")
-    p.add_argument("--layers", choices=("unstacked", "stacked"), default="unstacked",
-                   help="on CPU, run the target's layers as per-layer buffers (faster steps, longer compilation: the "
-                        "default for this long job) or as the stacked scan")
+    p.add_argument("--layers", choices=("auto", "unstacked", "stacked"), default="auto",
+                   help="on CPU, run the target's layers as per-layer buffers (longer compilation) or as the stacked "
+                        "scan; auto (the default) times a decoding step at this batch size in both and takes the "
+                        "faster (about a minute; off CPU: stacked)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -78,7 +79,17 @@ def cmd_regenerate(args) -> dict:
         raise UserError(f"--first-prompt {args.first_prompt} is past the last ShareGPT prompt.")
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     target = load_model(args.model, dtype=dtype)
-    with layers_layout(args.layers):
+    layout = args.layers
+    if layout == "auto":
+        from jaxspec.generate import fastest_layout
+
+        layout, step_seconds = fastest_layout(target.weights, target.config, args.batch_size,
+                                              args.max_prompt_tokens + args.max_new_tokens, tuple(feature_layers))
+        if step_seconds:
+            timed = ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in step_seconds.items())
+            print(f"layers: {layout} (a batch-{args.batch_size} decoding step: {timed}; --layers to choose)",
+                  file=sys.stderr)
+    with layers_layout(layout):
         manifest = regenerate(
             target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, shard_size=args.shard_size, sampling=sampling, seed=args.seed,
