@@ -93,16 +93,20 @@ def resolve_model_path(name_or_path: str) -> str:
     )
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bool = True) -> LoadedModel:
-    """Loads config, weights and tokenizer from a known name, a .gguf file or a Hugging Face folder."""
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bool = True,
+               mesh=None) -> LoadedModel:
+    """Loads config, weights and tokenizer from a known name, a .gguf file or a Hugging Face folder.
+
+    mesh: place the weights straight onto this (data, model) mesh in `jaxspec.sharding`'s layout, one field at a
+    time, so that no device ever holds more than its shards (the same arrays as `shard_weights` of a plain load)."""
     dtype = default_dtype() if dtype is None else dtype
     path = resolve_model_path(name_or_path)
     reader = None  # a GGUF file is parsed once, for the weights and the tokenizer (seconds for a large vocabulary)
     if os.path.isdir(path):
-        config, weights = load_hf_folder(path, dtype)
+        config, weights = load_hf_folder(path, dtype, mesh)
     elif path.endswith(".gguf"):
         reader = open_gguf(path)
-        config, weights = load_gguf(path, dtype, reader)
+        config, weights = load_gguf(path, dtype, reader, mesh)
     else:
         raise UserError(f"'{path}' is not a .gguf file or a folder; pass one of those.")
     tokenizer = None
@@ -140,9 +144,10 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, out // num_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path: str, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, Weights]:
+def load_gguf(path: str, dtype=jnp.float32, reader=None, mesh=None) -> tuple[ModelConfig, Weights]:
     """Reads a GGUF file: config from its metadata, every tensor dequantized to float, Q/K rows un-permuted.
-    reader: the file's `jaxspec.gguf_file.GGUFFile` when it is already open."""
+    reader: the file's `jaxspec.gguf_file.GGUFFile` when it is already open. Tensors are dequantized when their
+    field is built, one field at a time; with `mesh`, each field goes straight to its shards there."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path) if reader is None else reader
@@ -162,17 +167,18 @@ def load_gguf(path: str, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, W
         # numpy shape is the reverse of GGUF's ne: [out, in] for matrices.
         return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
 
-    raw = {
-        "embed": get("token_embd.weight"),  # [V, d]
-        "final_norm": get("output_norm.weight"),  # Gemma: llama.cpp's converter stored HF's weight + 1 already
-        "lm_head": None if cfg.tie_word_embeddings else get("output.weight"),  # [V, d]
-    }
     permute = cfg.architecture == "llama"
 
     def lazy(name: str, heads: int | None = None):  # reads (and un-permutes) the tensor when called
         if name not in tensors:
             get(name)  # a missing tensor is a clear error now, before any work
         return lambda: _unpermute_rows(get(name), heads) if permute and heads else get(name)
+
+    raw = {
+        "embed": lazy("token_embd.weight"),  # [V, d]
+        "final_norm": lazy("output_norm.weight"),  # Gemma: llama.cpp's converter stored HF's weight + 1 already
+        "lm_head": None if cfg.tie_word_embeddings else lazy("output.weight"),  # [V, d]
+    }
 
     per_layer = []
     for i in range(cfg.num_layers):
@@ -199,7 +205,7 @@ def load_gguf(path: str, dtype=jnp.float32, reader=None) -> tuple[ModelConfig, W
             layer.update(post_attn_norm=lazy(p + "post_attention_norm.weight"),
                          post_mlp_norm=lazy(p + "post_ffw_norm.weight"))
         per_layer.append(layer)
-    return cfg, _assemble(cfg, raw, per_layer, dtype)
+    return cfg, _assemble(cfg, raw, per_layer, dtype, mesh)
 
 
 # ---------------------------------------------------------------------------------------------- HF folder
@@ -252,36 +258,43 @@ def _safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights]:
-    """Reads a Hugging Face folder: config.json through AutoConfig and the *.safetensors weights."""
+def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConfig, Weights]:
+    """Reads a Hugging Face folder: config.json through AutoConfig and the *.safetensors weights.
+
+    Tensors are read when their field is built, one field at a time (`_assemble`), so host memory holds about one
+    field (all layers of one matrix), not the model; with `mesh`, each field goes straight to its shards there."""
     from safetensors import safe_open
 
     cfg = ModelConfig.from_hf_config(folder)
-    tensors: dict[str, np.ndarray] = {}
+    where: dict[str, tuple[str, str]] = {}  # short tensor name -> (file, name in the file)
     for file in _safetensors_files(folder):
         try:
-            with safe_open(file, framework="flax") as f:
+            with safe_open(file, framework="numpy") as f:
                 for name in f.keys():
                     short = next((name.removeprefix(p) for p in _HF_PREFIXES if name.startswith(p)), name)
                     if short.startswith(_HF_TEXT_TENSORS):  # a multimodal folder's vision tower is not read
-                        tensors[short] = np.asarray(f.get_tensor(name).astype(jnp.float32))
-        except UserError:
-            raise
+                        where[short] = (file, name)
         except Exception as e:
             raise UserError(f"Could not read '{file}' ({e}); the safetensors file is corrupt or truncated.") from None
 
     def get(name: str) -> np.ndarray:
-        if name not in tensors:
+        if name not in where:
             raise UserError(f"The checkpoint in '{folder}' has no tensor '{name}'; it does not match its config.json.")
-        return tensors[name]
+        file, stored = where[name]
+        try:
+            with safe_open(file, framework="numpy") as f:
+                return np.asarray(f.get_tensor(stored), dtype=np.float32)
+        except Exception as e:
+            raise UserError(f"Could not read '{stored}' from '{file}' ({e}); the safetensors file is corrupt or "
+                            "truncated.") from None
 
     # Gemma's and Qwen3.5's norms scale by (1 + weight); jaxspec's by weight: add the 1 here (GGUF files already
     # hold it).
     norm_offset = 1.0 if cfg.architecture in ("gemma3", "qwen3_5") else 0.0
-    raw = {
-        "embed": get("embed_tokens.weight"),
-        "final_norm": get("norm.weight") + norm_offset,
-        "lm_head": None if cfg.tie_word_embeddings else get("lm_head.weight"),
+    raw = {  # read when placed
+        "embed": lambda: get("embed_tokens.weight"),
+        "final_norm": lambda: get("norm.weight") + norm_offset,
+        "lm_head": None if cfg.tie_word_embeddings else lambda: get("lm_head.weight"),
     }
     names = dict(_HF_LAYER_NAMES)
     if cfg.sandwich_norms:
@@ -295,15 +308,23 @@ def load_hf_folder(folder: str, dtype=jnp.float32) -> tuple[ModelConfig, Weights
     if not cfg.qk_norm:
         names.pop("q_norm"), names.pop("k_norm")
     if cfg.is_hybrid:
-        return cfg, _hybrid_layers(cfg, raw, get, norm_offset, dtype)
+        weights = _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, norm_offset,
+                                 dtype)
+        return cfg, weights if mesh is None else _place_on_mesh(weights, mesh)
+
+    def lazy(name: str, offset: float):  # reads the tensor when called; a missing one is a clear error now
+        if name not in where:
+            get(name)
+        return lambda: get(name) + offset if offset else get(name)
+
     per_layer = []
     for i in range(cfg.num_layers):
-        layer = {key: get(f"layers.{i}.{name}") + (norm_offset if key in _NORMS else 0.0)
+        layer = {key: lazy(f"layers.{i}.{name}", norm_offset if key in _NORMS else 0.0)
                  for key, name in names.items()}
         if cfg.num_experts:
-            layer.update(_hf_experts(get, tensors, f"layers.{i}.mlp.", cfg.num_experts))
+            layer.update(_hf_experts(get, where, f"layers.{i}.mlp.", cfg.num_experts))
         per_layer.append(layer)
-    return cfg, _assemble(cfg, raw, per_layer, dtype)
+    return cfg, _assemble(cfg, raw, per_layer, dtype, mesh)
 
 
 def _hybrid_layers(cfg: ModelConfig, raw: dict, get, norm_offset: float, dtype) -> Weights:
@@ -357,7 +378,7 @@ def _hybrid_layers(cfg: ModelConfig, raw: dict, get, norm_offset: float, dtype) 
                    lm_head=None if lm_head is None else place(lm_head.T))
 
 
-def _hf_experts(get, tensors: dict, prefix: str, num_experts: int) -> dict[str, np.ndarray]:
+def _hf_experts(get, tensors, prefix: str, num_experts: int) -> dict[str, np.ndarray]:
     """One layer's router [E, d] and experts, stacked as GGUF stores them ([E, F, d] gate and up, [E, d, F] down),
     from the per-expert tensors of a Hugging Face checkpoint (experts.{e}.gate_proj.weight, ...) or from the fused
     ones transformers 5 holds in memory (experts.gate_up_proj [E, 2F, d], experts.down_proj [E, d, F])."""
@@ -376,13 +397,15 @@ def _hf_experts(get, tensors: dict, prefix: str, num_experts: int) -> dict[str, 
 # ---------------------------------------------------------------------------------------------- common
 
 
-def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype) -> Weights:
+def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=None) -> Weights:
     """Stacks per-layer [out, in] matrices (the HF/GGUF layout) into jaxspec's [L, in, ...] layout.
 
     One field at a time: each is read (a per-layer value may be a function that reads its tensor only then),
     stacked, placed as a jax array, and its host copies dropped (`raw` and the `per_layer` dicts are emptied as they
     are read), so host memory stays near the model's size plus one stacked field, not three copies of the model
-    (loading a 1.5B GGUF in float32 took 21 GB before)."""
+    (loading a 1.5B GGUF in float32 took 21 GB before). `raw` values may be functions too. With `mesh`, each field is
+    cast to `dtype` on the host and sent straight to its shards (`jaxspec.sharding`'s layout): no device holds more
+    than its shards and no float32 copy reaches a device."""
     d, h = cfg.hidden_size, cfg.head_dim
 
     def stack(key, transpose=False):  # [L, ...] (each layer's matrix transposed) or None; per-layer copies released
@@ -395,8 +418,16 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype) -> Weig
             parts.append(value.T if transpose else value)
         return np.stack(parts)
 
-    def place(x):
-        return None if x is None else jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
+    def place(x, field: str, owner: str = "layers"):
+        if x is None:
+            return None
+        if mesh is None:
+            return jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
+        return _put_field(np.asarray(x, dtype=jnp.dtype(dtype)), mesh, owner, field)
+
+    def read(key):
+        value = raw.pop(key)
+        return value() if callable(value) else value
 
     def heads_in(w, n):  # [L, n*h, d] -> [L, d, n, h]
         return w.reshape(cfg.num_layers, n, h, d).transpose(0, 3, 1, 2)
@@ -407,35 +438,57 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype) -> Weig
     def per_head(w, n):  # [L, n*h] -> [L, n, h]
         return None if w is None else w.reshape(cfg.num_layers, n, h)
 
+    embed = read("embed")
     expected_embed = (cfg.vocab_size, d)
-    if raw["embed"].shape != expected_embed:
-        raise UserError(f"Embedding has shape {raw['embed'].shape}, the config says {expected_embed}: they disagree.")
-    layers = LayerWeights(
-        attn_norm=place(stack("attn_norm")),
-        wq=place(heads_in(stack("wq"), cfg.num_heads)),
-        wk=place(heads_in(stack("wk"), cfg.num_kv_heads)),
-        wv=place(heads_in(stack("wv"), cfg.num_kv_heads)),
-        wo=place(stack("wo").reshape(cfg.num_layers, d, cfg.num_heads, h).transpose(0, 2, 3, 1)),  # [L, Hq, h, d]
-        mlp_norm=place(stack("mlp_norm")),
-        w_gate=place(stack("w_gate", transpose=True)),
-        w_up=place(stack("w_up", transpose=True)),
-        w_down=place(stack("w_down", transpose=True)),
-        router=place(experts_last(stack("router"))),  # [L, d, E]
-        expert_gate=place(experts_last(stack("expert_gate"))),  # [L, E, d, F]
-        expert_up=place(experts_last(stack("expert_up"))),
-        expert_down=place(experts_last(stack("expert_down"))),  # [L, E, F, d]
-        bq=place(per_head(stack("bq"), cfg.num_heads)),
-        bk=place(per_head(stack("bk"), cfg.num_kv_heads)),
-        bv=place(per_head(stack("bv"), cfg.num_kv_heads)),
-        q_norm=place(stack("q_norm")),
-        k_norm=place(stack("k_norm")),
-        post_attn_norm=place(stack("post_attn_norm")),
-        post_mlp_norm=place(stack("post_mlp_norm")),
-    )
-    lm_head = raw.pop("lm_head")
+    if embed.shape != expected_embed:
+        raise UserError(f"Embedding has shape {embed.shape}, the config says {expected_embed}: they disagree.")
+    embed = place(embed, "embed", "top")
+    fields = {
+        "attn_norm": lambda: stack("attn_norm"),
+        "wq": lambda: heads_in(stack("wq"), cfg.num_heads),
+        "wk": lambda: heads_in(stack("wk"), cfg.num_kv_heads),
+        "wv": lambda: heads_in(stack("wv"), cfg.num_kv_heads),
+        "wo": lambda: stack("wo").reshape(cfg.num_layers, d, cfg.num_heads, h).transpose(0, 2, 3, 1),  # [L, Hq, h, d]
+        "mlp_norm": lambda: stack("mlp_norm"),
+        "w_gate": lambda: stack("w_gate", transpose=True),
+        "w_up": lambda: stack("w_up", transpose=True),
+        "w_down": lambda: stack("w_down", transpose=True),
+        "router": lambda: experts_last(stack("router")),  # [L, d, E]
+        "expert_gate": lambda: experts_last(stack("expert_gate")),  # [L, E, d, F]
+        "expert_up": lambda: experts_last(stack("expert_up")),
+        "expert_down": lambda: experts_last(stack("expert_down")),  # [L, E, F, d]
+        "bq": lambda: per_head(stack("bq"), cfg.num_heads),
+        "bk": lambda: per_head(stack("bk"), cfg.num_kv_heads),
+        "bv": lambda: per_head(stack("bv"), cfg.num_kv_heads),
+        "q_norm": lambda: stack("q_norm"),
+        "k_norm": lambda: stack("k_norm"),
+        "post_attn_norm": lambda: stack("post_attn_norm"),
+        "post_mlp_norm": lambda: stack("post_mlp_norm"),
+    }
+    layers = LayerWeights(**{name: place(build(), name) for name, build in fields.items()})  # one field at a time
+    lm_head = read("lm_head")
     return Weights(
-        embed=place(raw.pop("embed")),
+        embed=embed,
         layers=layers,
-        final_norm=place(raw.pop("final_norm")),
-        lm_head=None if lm_head is None else place(lm_head.T),
+        final_norm=place(read("final_norm"), "final_norm", "top"),
+        lm_head=None if lm_head is None else place(lm_head.T, "lm_head", "top"),
     )
+
+
+def _put_field(value: np.ndarray, mesh, owner: str, field: str) -> jax.Array:
+    """One weight field (host array, final dtype) placed on `mesh` in `jaxspec.sharding`'s layout: each of this
+    process's devices receives a copy of only its slice (on CPU too: a device buffer never aliases the host array,
+    which is freed after), and the global array is built from them (which also works on many hosts)."""
+    from jaxspec.sharding import weight_field_sharding
+
+    sharding = weight_field_sharding(mesh, field, value, in_layers=owner == "layers")
+    shards = [jax.device_put(value[index], device, may_alias=False)
+              for device, index in sharding.addressable_devices_indices_map(value.shape).items()]
+    return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
+
+
+def _place_on_mesh(weights: Weights, mesh) -> Weights:
+    """Weights already on one device, moved to the mesh (the hybrid layers, which are not stacked)."""
+    from jaxspec.sharding import shard_weights
+
+    return shard_weights(weights, mesh)

@@ -205,6 +205,13 @@ def weight_specs(weights: Weights) -> Weights:
     return Weights(layers=layers, **top)
 
 
+def weight_field_sharding(mesh: Mesh, field: str, value, in_layers: bool) -> NamedSharding:
+    """The sharding `weight_shardings` gives one field (of `LayerWeights` when `in_layers`, else of `Weights`), for
+    placing weights field by field as they load (`jaxspec.loading`); `value` gives the rank."""
+    owner, axes = ("LayerWeights", LAYER_WEIGHT_AXES) if in_layers else ("Weights", WEIGHT_AXES)
+    return NamedSharding(mesh, _field_spec(owner, field, value, axes))
+
+
 def cache_specs(cache: KVCache) -> KVCache:
     """A `KVCache` pytree of PartitionSpecs: k, v [L, B, Hkv, S, D] by (-, data, model, -, -); lengths by data."""
     return KVCache(**{name: _field_spec("KVCache", name, getattr(cache, name), CACHE_AXES) for name in CACHE_AXES})

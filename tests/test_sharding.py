@@ -217,7 +217,124 @@ def test_sharded_greedy_generation_matches(child_results):
     assert len(set(map(tuple, g["reference"]))) > 1  # rows differ: the check is not vacuous
 
 
+def test_loading_onto_the_mesh_equals_sharding_a_plain_load(child_results):
+    """`load_model(folder, mesh=...)` on a checkpoint split into 3 files: every array equals `shard_weights` of a
+    plain load (float32 and bfloat16), with the same sharding, and each device holds only its slice."""
+    r = child_results["load"]
+    assert r["fields"] >= 10 and r["equal"] == r["fields"] and r["same_sharding"] == r["fields"]
+    assert r["wq_shard_shape"] == [16, 256, 2, 32]  # 8 heads over the model axis of 4
+    assert r["bfloat16_equal"] and r["bfloat16_dtype"] == "bfloat16"
+
+
+def test_loading_onto_the_mesh_reads_one_field_ahead_at_most(child_results):
+    """Host memory while loading stays near one field (all layers of one matrix), not the model: the bytes read from
+    the checkpoint but not yet sent to the devices never exceed the largest field. (A loader that reads every
+    tensor first, as jaxspec did before, holds the whole model here.)"""
+    r = child_results["load"]
+    assert 0 < r["most_read_ahead_bytes"] <= r["largest_field_bytes"] < r["model_bytes"] / 4, r
+    assert r["read_bytes"] == r["model_bytes"]  # every tensor read once
+
+
 # ---------------------------------------------------------------------------------------------- child process
+
+
+def _save_split_checkpoint(folder, num_layers=16, d=256, vocab=4096, heads=8, head_dim=32) -> int:
+    """A Llama-shaped Hugging Face folder (tied embedding, F = d) with its tensors split over 3 safetensors files
+    and an index, as large models ship; returns the model's float32 bytes."""
+    import os
+
+    from safetensors.numpy import save_file
+
+    config = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "tiny-llama3", "config.json")))
+    config.update(hidden_size=d, intermediate_size=d, num_hidden_layers=num_layers, num_attention_heads=heads,
+                  num_key_value_heads=heads, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=True)
+    os.makedirs(folder, exist_ok=True)
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    rng = np.random.default_rng(3)
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((vocab, d), np.float32),
+               "model.norm.weight": 1 + 0.1 * rng.standard_normal(d, np.float32)}
+    shapes = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "self_attn.q_proj": (heads * head_dim, d),
+              "self_attn.k_proj": (heads * head_dim, d), "self_attn.v_proj": (heads * head_dim, d),
+              "self_attn.o_proj": (d, heads * head_dim), "mlp.gate_proj": (d, d), "mlp.up_proj": (d, d),
+              "mlp.down_proj": (d, d)}
+    for i in range(num_layers):
+        for name, shape in shapes.items():
+            tensors[f"model.layers.{i}.{name}.weight"] = (0.05 * rng.standard_normal(shape, np.float32)
+                                                          + (1.0 if len(shape) == 1 else 0.0))
+    names = sorted(tensors)
+    weight_map = {}
+    for part in range(3):
+        file = f"model-{part + 1:05d}-of-00003.safetensors"
+        save_file({n: tensors[n] for n in names[part::3]}, os.path.join(folder, file))
+        weight_map.update({n: file for n in names[part::3]})
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(folder, "model.safetensors.index.json"),
+                                                              "w"))
+    return sum(t.nbytes for t in tensors.values())
+
+
+def _load_onto_mesh() -> dict:
+    """load_model(..., mesh=) against shard_weights(load_model(...)), and how far its reading runs ahead of placing."""
+    import tempfile
+
+    import safetensors
+
+    import jaxspec.loading
+    from jaxspec import load_model
+
+    folder = tempfile.mkdtemp(prefix="jaxspec-split-")
+    model_bytes = _save_split_checkpoint(folder)
+    mesh = sharding.make_mesh(2, 4)
+    count = {"read": 0, "placed": 0, "most_ahead": 0}
+    real_open, real_put = safetensors.safe_open, jaxspec.loading._put_field
+
+    class CountingFile:  # safe_open, counting the bytes of the tensors read
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            tensor = self.inner.get_tensor(name)
+            count["read"] += tensor.nbytes
+            count["most_ahead"] = max(count["most_ahead"], count["read"] - count["placed"])
+            return tensor
+
+    def counting_put(value, *args):
+        count["placed"] += value.nbytes
+        return real_put(value, *args)
+
+    safetensors.safe_open, jaxspec.loading._put_field = CountingFile, counting_put
+    try:
+        on_mesh = load_model(folder, with_tokenizer=False, mesh=mesh).weights
+    finally:
+        safetensors.safe_open, jaxspec.loading._put_field = real_open, real_put
+    plain = load_model(folder, with_tokenizer=False).weights
+    reference = sharding.shard_weights(plain, mesh)
+    pairs = [(a, b) for a, b in zip(jax.tree.leaves(on_mesh), jax.tree.leaves(reference), strict=True)]
+    bf16 = load_model(folder, dtype=jnp.bfloat16, with_tokenizer=False, mesh=mesh).weights
+    bf16_ref = load_model(folder, dtype=jnp.bfloat16, with_tokenizer=False).weights
+    return {
+        "fields": len(pairs),
+        "equal": sum(bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in pairs),
+        "same_sharding": sum(a.sharding.is_equivalent_to(b.sharding, a.ndim) for a, b in pairs),
+        "wq_shard_shape": list(on_mesh.layers.wq.addressable_shards[0].data.shape),
+        "bfloat16_equal": all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                              for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(bf16_ref), strict=True)),
+        "bfloat16_dtype": str(bf16.layers.wq.dtype),
+        "read_bytes": count["read"],
+        "most_read_ahead_bytes": count["most_ahead"],
+        "model_bytes": model_bytes,
+        "largest_field_bytes": max(x.nbytes for x in jax.tree.leaves(plain)),
+    }
+
 
 
 def _child() -> dict:
@@ -308,6 +425,7 @@ def _child() -> dict:
         **kwargs,
     )
     results["generate"] = {"reference": np.asarray(ref_out).tolist(), "sharded": np.asarray(sh_out).tolist()}
+    results["load"] = _load_onto_mesh()
     return results
 
 
