@@ -148,6 +148,22 @@ def _quick_compilation_for_tiny_models(request):
     jax.config.update("jax_disable_most_optimizations", previous)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """The same choice for module and session fixtures, which set up before the autouse fixture above: optimizations
+    off unless the fixture is, or takes, one of the real model's (the tiny-model benches, regenerations and training
+    runs of test_bench, test_data and test_parallel compile rather than run)."""
+    if fixturedef.scope == "function":
+        return (yield)
+    names = {fixturedef.argname, *fixturedef.argnames}
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", REAL_MODEL_FIXTURES.isdisjoint(names))
+    try:
+        return (yield)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
+
+
 @pytest.fixture(scope="session")
 def gemma3_270m_path():
     """The GGUF file of Gemma-3-270M (base, Q4_K_M) that its package joins; a skip naming the install when absent."""
