@@ -80,6 +80,15 @@ def check_mesh_arg(args) -> None:
         make_mesh(*parse_mesh(args.mesh))
 
 
+def mesh_to_load_on(args):
+    """The mesh of --mesh, for loading the target straight onto it (`load_model(..., mesh=)`); None without one."""
+    if getattr(args, "mesh", None) is None:
+        return None
+    from jaxspec.sharding import make_mesh, parse_mesh
+
+    return make_mesh(*parse_mesh(args.mesh))
+
+
 def initialize_distributed(args) -> None:
     """--distributed: joins the multi-host run before anything touches the devices (a no-op when already joined)."""
     if getattr(args, "distributed", False):

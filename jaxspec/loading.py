@@ -98,7 +98,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bo
     """Loads config, weights and tokenizer from a known name, a .gguf file or a Hugging Face folder.
 
     mesh: place the weights straight onto this (data, model) mesh in `jaxspec.sharding`'s layout, one field at a
-    time, so that no device ever holds more than its shards (the same arrays as `shard_weights` of a plain load)."""
+    time, so that no device ever holds more than its shards (the same arrays as `shard_weights` of a plain load);
+    a mesh that does not divide the model is refused first. Hybrid models (Qwen3.5) load on one device."""
     dtype = default_dtype() if dtype is None else dtype
     path = resolve_model_path(name_or_path)
     reader = None  # a GGUF file is parsed once, for the weights and the tokenizer (seconds for a large vocabulary)
@@ -307,10 +308,9 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
             names.pop(key)
     if not cfg.qk_norm:
         names.pop("q_norm"), names.pop("k_norm")
-    if cfg.is_hybrid:
-        weights = _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, norm_offset,
-                                 dtype)
-        return cfg, weights if mesh is None else _place_on_mesh(weights, mesh)
+    if cfg.is_hybrid:  # one LayerWeights per layer; jaxspec runs these on one device (`mesh` is not used)
+        return cfg, _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, norm_offset,
+                                   dtype)
 
     def lazy(name: str, offset: float):  # reads the tensor when called; a missing one is a clear error now
         if name not in where:
@@ -407,6 +407,10 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=No
     cast to `dtype` on the host and sent straight to its shards (`jaxspec.sharding`'s layout): no device holds more
     than its shards and no float32 copy reaches a device."""
     d, h = cfg.hidden_size, cfg.head_dim
+    if mesh is not None:  # a mesh that does not divide the heads, widths or vocabulary: refused before any reading
+        from jaxspec.sharding import check_divisible
+
+        check_divisible(cfg, None, mesh)
 
     def stack(key, transpose=False):  # [L, ...] (each layer's matrix transposed) or None; per-layer copies released
         if key not in per_layer[0]:
@@ -486,9 +490,3 @@ def _put_field(value: np.ndarray, mesh, owner: str, field: str) -> jax.Array:
               for device, index in sharding.addressable_devices_indices_map(value.shape).items()]
     return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
 
-
-def _place_on_mesh(weights: Weights, mesh) -> Weights:
-    """Weights already on one device, moved to the mesh (the hybrid layers, which are not stacked)."""
-    from jaxspec.sharding import shard_weights
-
-    return shard_weights(weights, mesh)

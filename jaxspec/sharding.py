@@ -242,8 +242,8 @@ def put_on_mesh(tree, shardings):
     import numpy as np
 
     def put(x, sharding):
-        if sharding is None:
-            return x
+        if sharding is None or (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim)):
+            return x  # already in place (weights loaded onto the mesh)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
         value = np.asarray(x)

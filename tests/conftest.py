@@ -75,18 +75,18 @@ def smollm2():
 def cli_smollm2(smollm2, monkeypatch):
     """The session's SmolLM2, returned by `jaxspec.loading.load_model` when the CLI asks for the default model in
     float32 (loading is tested in test_model and test_tokenizer; each CLI test would otherwise parse the GGUF
-    again); any other source or dtype loads as usual."""
+    again); any other source or dtype, or a load onto a mesh (--mesh), loads as usual."""
     import jax.numpy as jnp
 
     from jaxspec import loading
 
     real = loading.load_model
 
-    def load_model(name_or_path=loading.DEFAULT_MODEL, dtype=None, with_tokenizer=True):
+    def load_model(name_or_path=loading.DEFAULT_MODEL, dtype=None, with_tokenizer=True, mesh=None):
         same_dtype = dtype is None or jnp.dtype(dtype) == smollm2.weights.embed.dtype
-        if name_or_path == "smollm2-135m" and same_dtype and with_tokenizer:
+        if name_or_path == "smollm2-135m" and same_dtype and with_tokenizer and mesh is None:
             return smollm2
-        return real(name_or_path, dtype=dtype, with_tokenizer=with_tokenizer)
+        return real(name_or_path, dtype=dtype, with_tokenizer=with_tokenizer, mesh=mesh)  # --mesh: loaded onto it
 
     monkeypatch.setattr(loading, "load_model", load_model)
     return smollm2
