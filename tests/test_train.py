@@ -188,6 +188,56 @@ def test_data_parallel_step_equals_single_device(tiny_data, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+_SPLIT_TARGET_SCRIPT = """
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, {root!r})
+from jaxspec.config_files import from_dict
+from jaxspec.training.config import TrainConfig
+from jaxspec.training.distill import train
+import jaxspec.loading
+
+real_load, placed = jaxspec.loading.load_model, []
+
+def load_model(*args, **kwargs):  # records where the target's query weights were placed
+    model = real_load(*args, **kwargs)
+    placed.append(model.weights.layers.wq.addressable_shards[0].data.shape)
+    return model
+
+jaxspec.loading.load_model = load_model
+raw = json.loads({config!r})
+out = {{"wq_shards": placed}}
+for data_axis, model_axis in ((1, 1), (2, 2)):
+    run = dict(raw, mesh={{"data": data_axis, "model": model_axis}},
+               run=dict(raw["run"], out_dir=raw["run"]["out_dir"] + f"-{{data_axis}}x{{model_axis}}"))
+    summary = train(from_dict(TrainConfig, run), progress=False)
+    if model_axis > 1:
+        assert len(jax.tree.leaves(summary["params"])[0].sharding.device_set) == 4, "the drafter spans the mesh"
+    out[f"{{data_axis}}x{{model_axis}}"] = [np.asarray(x).tolist() for x in jax.tree.leaves(summary["params"])]
+print(json.dumps(out))
+"""
+
+
+def test_training_with_the_target_split_over_the_model_axis_equals_one_device(tiny_data, tmp_path):
+    """mesh.model: the frozen target loaded onto its shards (tensor parallel over 2 devices) while the drafter trains
+    data-parallel over 2 more; 3 steps through `train` end with the parameters of the one-device run."""
+    from jaxspec.config_files import to_dict
+
+    _, data = tiny_data
+    config = json.dumps(to_dict(_config(data, str(tmp_path / "run"), steps=3, eval_every=0)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from fake_devices import fake_device_env
+
+    proc = subprocess.run([sys.executable, "-c", _SPLIT_TARGET_SCRIPT.format(root=root, config=config)],
+                          capture_output=True, text=True, env=fake_device_env(4), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (one, split), heads = out["wq_shards"], 4  # [L, d, heads, h]: the 2x2 run holds half the heads per device
+    assert one[2] == heads and split[2] == heads // 2 and one[:2] == split[:2]
+    for a, b in zip(out["1x1"], out["2x2"], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_untrained_medusa_is_greedy_exact(tiny_data):
     target, _ = tiny_data
     method = build_method("medusa", target, MethodOptions(drafter="untrained"))

@@ -138,12 +138,16 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """The device mesh for training: data parallelism over `data` devices."""
+    """The device mesh for training: data parallelism over `data` devices, times `model` devices that split the
+    frozen target (tensor parallelism: heads, widths and vocabulary, as `jaxspec.sharding` splits it for decoding)
+    when it is too large for one device. The drafter is replicated."""
 
     data: int = 1
+    model: int = 1
 
     def __post_init__(self):
         _require(self.data >= 1, f"mesh.data must be >= 1, got {self.data}.")
+        _require(self.model >= 1, f"mesh.model must be >= 1, got {self.model}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

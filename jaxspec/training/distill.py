@@ -235,7 +235,13 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     method_cfg = from_dict(trainable.config_cls, {**(trainable.config_defaults or {}), **dict(config.drafter)},
                            path="drafter")
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(config.dtype)
-    target = load_model(config.target, dtype=dtype, with_tokenizer=True)
+    devices = config.mesh.data * config.mesh.model
+    if devices > len(jax.devices()):
+        raise UserError(f"mesh.data={config.mesh.data} x mesh.model={config.mesh.model} needs {devices} devices; "
+                        f"this run has {len(jax.devices())}.")
+    mesh = make_mesh(data=config.mesh.data, model=config.mesh.model, devices=jax.devices()[:devices])
+    split_target = config.mesh.model > 1  # the target's weights loaded straight onto their shards
+    target = load_model(config.target, dtype=dtype, with_tokenizer=True, mesh=mesh if split_target else None)
     dataset = RegeneratedDataset(config.data.path)
     dataset.check_target(target.fingerprint())
 
@@ -256,12 +262,14 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     opt_state = optimizer.init(params)
     layers = tuple(trainable.target_layers(method_cfg, target.config))
 
-    if config.mesh.data > len(jax.devices()):
-        raise UserError(f"mesh.data={config.mesh.data} needs that many devices; this host has {len(jax.devices())}.")
-    mesh = make_mesh(data=config.mesh.data, model=1, devices=jax.devices()[: config.mesh.data])
     if run.batch_size % config.mesh.data:
         raise UserError(f"run.batch_size={run.batch_size} is not a multiple of mesh.data={config.mesh.data}.")
     replicated, batch_sharded = _shardings(mesh)
+    target_sharding = replicated
+    if split_target:
+        from jaxspec.sharding import weight_shardings
+
+        target_sharding = weight_shardings(target.weights, mesh)
     cache = None
     cached_shardings = None
     last_layer = target.config.num_layers - 1
@@ -281,7 +289,8 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
                                       os.path.join(run.out_dir, "features"), run.batch_size, progress)
     step_fn = jax.jit(
         make_train_step(trainable, method_cfg, target.config, config.loss, optimizer, layers),
-        in_shardings=(replicated, replicated, replicated, batch_sharded, batch_sharded, replicated, cached_shardings),
+        in_shardings=(replicated, replicated, target_sharding, batch_sharded, batch_sharded, replicated,
+                      cached_shardings),
         out_shardings=(replicated, replicated, replicated),
         donate_argnums=(0, 1),
     )
