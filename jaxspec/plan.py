@@ -202,12 +202,14 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
 
 def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
     """One drafter training step (`jaxspec.training.distill.make_train_step`, the target run inside the step) for a
-    training config, compiled for abstract arrays with the shardings the trainer gives them (drafter, optimizer
-    state and frozen target replicated; the batch split over the data axis): per device, the target's weights,
-    the drafter's parameters and optimizer state (`optimizer_bytes`: both), temporaries and total.
+    training config, compiled for abstract arrays with the shardings the trainer gives them (drafter and optimizer
+    state replicated; the batch split over the data axis; the frozen target split over the model axis, as
+    `mesh.model` makes the trainer do, else replicated): per device, the target's weights, the drafter's parameters
+    and optimizer state (`optimizer_bytes`: both), temporaries and total.
 
     Args:
-        config: a `TrainConfig` (`jaxspec.training.config`); mesh: a (data, model) mesh (the trainer uses data).
+        config: a `TrainConfig` (`jaxspec.training.config`); mesh: a (data, model) mesh, the run's
+            (mesh.data, mesh.model).
     """
     import types
 
@@ -215,7 +217,7 @@ def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
 
     from jaxspec.config_files import from_dict
     from jaxspec.model import init_weights
-    from jaxspec.sharding import DATA
+    from jaxspec.sharding import DATA, MODEL, check_divisible, weight_shardings
     from jaxspec.training.config import make_optimizer
     from jaxspec.training.distill import make_train_step, trainable_for
 
@@ -234,8 +236,16 @@ def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
     def place(tree, sharding):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
+    split_target = dict(mesh.shape).get(MODEL, 1) > 1
+    if split_target:
+        check_divisible(cfg, None, mesh)
+
     def target_weights(dt):
-        return place(jax.eval_shape(lambda k: init_weights(cfg, k, dtype=dt), jax.random.key(0)), replicated)
+        abstract = jax.eval_shape(lambda k: init_weights(cfg, k, dtype=dt), jax.random.key(0))
+        if not split_target:
+            return place(abstract, replicated)
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
+                            weight_shardings(abstract, mesh))
 
     weights = target_weights(dtype)
     program_weights = weights if compiled_dtype == dtype else target_weights(compiled_dtype)
@@ -270,8 +280,9 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{plan.program}: {plan.config.architecture}, {plan.config.num_layers} layers, "
              f"d={plan.config.hidden_size}, {plan.dtype}; mesh {mesh}; batch {plan.batch_size}; {length}",
              "per device:",
-             f"  weights      {pd['weights_bytes'] / gib:9.3f} GiB" + ("   (the frozen target, replicated)"
-                                                                       if training else ""),
+             f"  weights      {pd['weights_bytes'] / gib:9.3f} GiB" + (
+                 ("   (the frozen target, split over the model axis)" if plan.mesh_shape.get("model", 1) > 1
+                  else "   (the frozen target, replicated)") if training else ""),
              f"  KV cache     {pd['cache_bytes'] / gib:9.3f} GiB" + ("" if training else
                                                                        "   (part of the temporaries: the loop "
                                                                        "creates it)"),

@@ -114,6 +114,15 @@ def test_plan_agrees_with_the_arrays_generation_places(child_results):
     assert by_mesh[(2, 4)]["weights_bytes"] < 0.4 * by_mesh[(8, 1)]["weights_bytes"]
 
 
+def test_training_plan_splits_the_target_over_the_model_axis(child_results):
+    """mesh.model: the training plan's target weights per device are those one device holds when the trainer loads
+    the target onto the mesh (`load_model(..., mesh=)`), about half the replicated target's on 2 model devices."""
+    t = child_results["training"]
+    assert t["planned_split"] == pytest.approx(t["placed_split"], rel=0.02)
+    assert t["planned_split"] < 0.6 * t["planned_replicated"]
+    assert t["optimizer_split"] == t["optimizer_replicated"] > 0  # the drafter stays replicated
+
+
 def _child() -> None:
     import dataclasses
 
@@ -142,7 +151,24 @@ def _child() -> None:
         cache = shard_cache(init_cache(cfg, 8, 64, jnp.float32), mesh)
         cases.append({"mesh": [data, model_axis], "planned": plan.per_device,
                       "placed": {"weights_bytes": per_device(placed), "cache_bytes": per_device(cache)}})
-    print(json.dumps({"cases": cases}))
+
+    # a Medusa training step for the tiny Llama-3 folder, its target replicated (2x1) and split (2x2)
+    from jaxspec.config_files import from_dict
+    from jaxspec.loading import load_model
+    from jaxspec.plan import plan_training
+    from jaxspec.training.config import TrainConfig
+
+    config = from_dict(TrainConfig, {"method": "medusa", "target": fixture_path("tiny-llama3"), "dtype": "float32",
+                                     "data": {"path": "unused"}, "run": {"batch_size": 2},
+                                     "drafter": {"num_heads": 2}})
+    replicated = plan_training(config, make_mesh(2, 1, jax.devices()[:2])).per_device
+    split_mesh = make_mesh(2, 2, jax.devices()[:4])  # the tiny Llama-3 has 2 KV heads
+    split = plan_training(config, split_mesh).per_device
+    loaded = load_model(fixture_path("tiny-llama3"), dtype=jnp.float32, with_tokenizer=False, mesh=split_mesh)
+    training = {"planned_split": split["weights_bytes"], "placed_split": per_device(loaded.weights),
+                "planned_replicated": replicated["weights_bytes"], "optimizer_split": split["optimizer_bytes"],
+                "optimizer_replicated": replicated["optimizer_bytes"]}
+    print(json.dumps({"cases": cases, "training": training}))
 
 
 if __name__ == "__main__" and "--child" in sys.argv:
