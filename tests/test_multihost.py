@@ -103,6 +103,22 @@ def test_two_processes_train_like_one(data_with_features, tmp_path):
     assert two[0]["eval_tau"] == one[0]["eval_tau"] and two[1]["eval_tau"] is None
 
 
+def test_two_processes_train_with_the_target_split_like_one(data_with_features, tmp_path):
+    """mesh data=2, model=2 over the two processes: each loads the frozen target straight onto its devices' shards
+    (`load_model(..., mesh=)`, which builds the global arrays from each process's own slices), and the run ends with
+    the parameters of one 4-device process."""
+    config = dict(_config(data_with_features, ""), mesh={"data": 2, "model": 2})
+    config["run"] = dict(config["run"], eval_every=0)  # refused with a split target on several processes
+    one = _run(dict(config, run=dict(config["run"], out_dir=str(tmp_path / "one-tp"))), str(tmp_path / "one-tp"), 1,
+               tmp_path)
+    two = _run(dict(config, run=dict(config["run"], out_dir=str(tmp_path / "two-tp"))), str(tmp_path / "two-tp"), 2,
+               tmp_path)
+    assert [r["processes"] for r in one + two] == [1, 2, 2]
+    for a, b, c in zip(one[0]["params"], two[0]["params"], two[1]["params"], strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+
+
 def test_speculative_generation_across_two_processes_equals_one(tmp_path):
     """Autoregressive decoding, prompt lookup and EAGLE-3 (an untrained head) on a data=4 mesh spanning two
     processes give the tokens one 4-device process gives (which are autoregressive decoding's)."""
@@ -155,7 +171,7 @@ def _child(config_path: str, out: str) -> None:
     tau = None
     if jax.process_index() == 0:  # the only writer of the run's files
         with open(os.path.join(out, "metrics.jsonl")) as f:
-            tau = [json.loads(line).get("eval_tau") for line in f if "eval_tau" in line][0]
+            tau = next((json.loads(line)["eval_tau"] for line in f if "eval_tau" in line), None)
     params = [np.asarray(x.addressable_data(0)).tolist() for x in jax.tree.leaves(summary["params"])]
     print(json.dumps({"processes": jax.process_count(), "devices": len(jax.devices()),
                       "feature_rows_read": rows_read, "params": params, "eval_tau": tau}))

@@ -262,6 +262,10 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     opt_state = optimizer.init(params)
     layers = tuple(trainable.target_layers(method_cfg, target.config))
 
+    if split_target and jax.process_count() > 1 and run.eval_every:
+        raise UserError("run.eval_every: the acceptance evaluation does not run yet with the target split over "
+                        "processes (mesh.model > 1 on several hosts); set run.eval_every=0 and evaluate the saved "
+                        "drafter with `jaxspec bench --drafter ...`.")
     if run.batch_size % config.mesh.data:
         raise UserError(f"run.batch_size={run.batch_size} is not a multiple of mesh.data={config.mesh.data}.")
     replicated, batch_sharded = _shardings(mesh)
