@@ -278,13 +278,17 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
         except Exception as e:
             raise UserError(f"Could not read '{file}' ({e}); the safetensors file is corrupt or truncated.") from None
 
-    def get(name: str) -> np.ndarray:
+    wanted = np.dtype(jnp.dtype(dtype))
+
+    def get(name: str) -> np.ndarray:  # in the dtype loaded when the file stores that one (a bfloat16 checkpoint
+        # loaded in bfloat16 has no float32 copy on the host), else float32
         if name not in where:
             raise UserError(f"The checkpoint in '{folder}' has no tensor '{name}'; it does not match its config.json.")
         file, stored = where[name]
         try:
             with safe_open(file, framework="numpy") as f:
-                return np.asarray(f.get_tensor(stored), dtype=np.float32)
+                tensor = f.get_tensor(stored)
+                return tensor if tensor.dtype == wanted else np.asarray(tensor, dtype=np.float32)
         except Exception as e:
             raise UserError(f"Could not read '{stored}' from '{file}' ({e}); the safetensors file is corrupt or "
                             "truncated.") from None

@@ -223,7 +223,7 @@ def test_loading_onto_the_mesh_equals_sharding_a_plain_load(child_results):
     r = child_results["load"]
     assert r["fields"] >= 10 and r["equal"] == r["fields"] and r["same_sharding"] == r["fields"]
     assert r["wq_shard_shape"] == [16, 256, 2, 32]  # 8 heads over the model axis of 4
-    assert r["bfloat16_equal"] and r["bfloat16_dtype"] == "bfloat16"
+    assert r["bfloat16_equal"] and r["bfloat16_dtype"] == "bfloat16" and r["stored_bfloat16_equal"]
 
 
 def test_loading_onto_the_mesh_reads_one_field_ahead_at_most(child_results):
@@ -238,9 +238,9 @@ def test_loading_onto_the_mesh_reads_one_field_ahead_at_most(child_results):
 # ---------------------------------------------------------------------------------------------- child process
 
 
-def _save_split_checkpoint(folder, num_layers=16, d=256, vocab=4096, heads=8, head_dim=32) -> int:
+def _save_split_checkpoint(folder, num_layers=16, d=256, vocab=4096, heads=8, head_dim=32, dtype=np.float32) -> int:
     """A Llama-shaped Hugging Face folder (tied embedding, F = d) with its tensors split over 3 safetensors files
-    and an index, as large models ship; returns the model's float32 bytes."""
+    and an index, as large models ship, stored in `dtype` (the same values for any dtype); returns its bytes."""
     import os
 
     from safetensors.numpy import save_file
@@ -261,6 +261,7 @@ def _save_split_checkpoint(folder, num_layers=16, d=256, vocab=4096, heads=8, he
         for name, shape in shapes.items():
             tensors[f"model.layers.{i}.{name}.weight"] = (0.05 * rng.standard_normal(shape, np.float32)
                                                           + (1.0 if len(shape) == 1 else 0.0))
+    tensors = {name: t.astype(dtype) for name, t in tensors.items()}
     names = sorted(tensors)
     weight_map = {}
     for part in range(3):
@@ -321,6 +322,10 @@ def _load_onto_mesh() -> dict:
     pairs = [(a, b) for a, b in zip(jax.tree.leaves(on_mesh), jax.tree.leaves(reference), strict=True)]
     bf16 = load_model(folder, dtype=jnp.bfloat16, with_tokenizer=False, mesh=mesh).weights
     bf16_ref = load_model(folder, dtype=jnp.bfloat16, with_tokenizer=False).weights
+    # a checkpoint stored in bfloat16, loaded in bfloat16 (read as stored, never widened): the float32 load, rounded
+    bf16_folder = folder + "-bf16"
+    _save_split_checkpoint(bf16_folder, dtype=jnp.bfloat16)
+    stored_bf16 = load_model(bf16_folder, dtype=jnp.bfloat16, with_tokenizer=False, mesh=mesh).weights
     return {
         "fields": len(pairs),
         "equal": sum(bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in pairs),
@@ -329,6 +334,9 @@ def _load_onto_mesh() -> dict:
         "bfloat16_equal": all(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                               for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(bf16_ref), strict=True)),
         "bfloat16_dtype": str(bf16.layers.wq.dtype),
+        "stored_bfloat16_equal": all(
+            np.array_equal(np.asarray(a, np.float32), np.asarray(jnp.asarray(b, jnp.bfloat16), np.float32))
+            for a, b in zip(jax.tree.leaves(stored_bf16), jax.tree.leaves(plain), strict=True)),
         "read_bytes": count["read"],
         "most_read_ahead_bytes": count["most_ahead"],
         "model_bytes": model_bytes,
