@@ -382,19 +382,25 @@ def _hybrid_layers(cfg: ModelConfig, raw: dict, get, norm_offset: float, dtype) 
                    lm_head=None if lm_head is None else place(lm_head.T))
 
 
-def _hf_experts(get, tensors, prefix: str, num_experts: int) -> dict[str, np.ndarray]:
+def _hf_experts(get, names, prefix: str, num_experts: int) -> dict:
     """One layer's router [E, d] and experts, stacked as GGUF stores them ([E, F, d] gate and up, [E, d, F] down),
     from the per-expert tensors of a Hugging Face checkpoint (experts.{e}.gate_proj.weight, ...) or from the fused
-    ones transformers 5 holds in memory (experts.gate_up_proj [E, 2F, d], experts.down_proj [E, d, F])."""
-    out = {"router": get(prefix + "gate.weight")}
-    if prefix + "experts.gate_up_proj" in tensors:
-        gate_up = get(prefix + "experts.gate_up_proj")
-        half = gate_up.shape[1] // 2
-        out.update(expert_gate=gate_up[:, :half], expert_up=gate_up[:, half:],
-                   expert_down=get(prefix + "experts.down_proj"))
+    ones transformers 5 holds in memory (experts.gate_up_proj [E, 2F, d], experts.down_proj [E, d, F]). Each value
+    is a function that reads its tensors when `_assemble` builds that field; `names` holds the checkpoint's tensor
+    names."""
+    out = {"router": lambda: get(prefix + "gate.weight")}
+    if prefix + "experts.gate_up_proj" in names:
+
+        def half(second: bool):  # the fused tensor read for each of its halves: one of them on the host at a time
+            gate_up = get(prefix + "experts.gate_up_proj")
+            f = gate_up.shape[1] // 2
+            return np.ascontiguousarray(gate_up[:, f:] if second else gate_up[:, :f])
+
+        out.update(expert_gate=lambda: half(False), expert_up=lambda: half(True),
+                   expert_down=lambda: get(prefix + "experts.down_proj"))
         return out
     for key, name in (("expert_gate", "gate_proj"), ("expert_up", "up_proj"), ("expert_down", "down_proj")):
-        out[key] = np.stack([get(f"{prefix}experts.{e}.{name}.weight") for e in range(num_experts)])
+        out[key] = lambda name=name: np.stack([get(f"{prefix}experts.{e}.{name}.weight") for e in range(num_experts)])
     return out
 
 
@@ -406,8 +412,8 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=No
 
     One field at a time: each is read (a per-layer value may be a function that reads its tensor only then),
     stacked, placed as a jax array, and its host copies dropped (`raw` and the `per_layer` dicts are emptied as they
-    are read), so host memory stays near the model's size plus one stacked field, not three copies of the model
-    (loading a 1.5B GGUF in float32 took 21 GB before). `raw` values may be functions too. With `mesh`, each field is
+    are read), so host memory stays near one stacked field, not the model (loading a 1.5B GGUF in float32 took
+    21 GB when everything was read first). `raw` values may be functions too. With `mesh`, each field is
     cast to `dtype` on the host and sent straight to its shards (`jaxspec.sharding`'s layout): no device holds more
     than its shards and no float32 copy reaches a device."""
     d, h = cfg.hidden_size, cfg.head_dim

@@ -1,5 +1,6 @@
 """Hugging Face folders: sharded safetensors with an index load like a single file; missing shards are refused."""
 
+import glob
 import json
 import shutil
 
@@ -49,3 +50,36 @@ def test_truncated_safetensors_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="corrupt or truncated"):
         load_model(str(tmp_path))
+
+
+def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
+    """A Qwen3-MoE folder saved with the fused expert tensors transformers 5 holds in memory
+    (mlp.experts.gate_up_proj [E, 2F, d], mlp.experts.down_proj [E, d, F]) loads the same weights as the per-expert
+    folder it was made from."""
+    import re
+
+    src = fixture_path("tiny-qwen3moe")
+    tensors = {}
+    for file in sorted(glob.glob(f"{src}/*.safetensors")):
+        tensors.update(load_file(file))
+    fused, experts = {}, {}
+    for name, value in tensors.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if m:
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = value
+        else:
+            fused[name] = value
+    for (prefix, kind), by_index in experts.items():
+        experts[(prefix, kind)] = np.stack([by_index[e] for e in sorted(by_index)])
+    for prefix in {p for p, _ in experts}:
+        fused[f"{prefix}.gate_up_proj"] = np.concatenate([experts[(prefix, "gate_proj")],
+                                                          experts[(prefix, "up_proj")]], axis=1)  # [E, 2F, d]
+        fused[f"{prefix}.down_proj"] = experts[(prefix, "down_proj")]  # [E, d, F]
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{src}/config.json", tmp_path / "config.json")
+    import jax
+
+    whole, from_fused = load_model(src, with_tokenizer=False), load_model(str(tmp_path), with_tokenizer=False)
+    assert whole.weights.layers.expert_gate is not None
+    for a, b in zip(jax.tree.leaves(whole.weights), jax.tree.leaves(from_fused.weights), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
