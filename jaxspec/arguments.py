@@ -72,16 +72,10 @@ def method_options(args):
                          mesh=getattr(args, "mesh", None))
 
 
-def check_mesh_arg(args) -> None:
-    """Refuses a bad --mesh (unknown axis, sizes that do not multiply to the device count) before any model loads."""
-    if getattr(args, "mesh", None) is not None:
-        from jaxspec.sharding import make_mesh, parse_mesh
+def check_mesh_arg(args):
+    """Refuses a bad --mesh (unknown axis, sizes that do not multiply to the device count) before any model loads.
 
-        make_mesh(*parse_mesh(args.mesh))
-
-
-def mesh_to_load_on(args):
-    """The mesh of --mesh, for loading the target straight onto it (`load_model(..., mesh=)`); None without one."""
+    Returns the mesh (for loading the target straight onto it, `load_model(..., mesh=)`), None without --mesh."""
     if getattr(args, "mesh", None) is None:
         return None
     from jaxspec.sharding import make_mesh, parse_mesh

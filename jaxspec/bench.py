@@ -778,14 +778,14 @@ def cmd_bench(args) -> None:
     """Runs `jaxspec bench`: loads the model and prompt sets, runs `run_bench`, prints the table, writes outputs."""
     import jax
 
-    from jaxspec.arguments import dtype_from_name, mesh_to_load_on
+    from jaxspec.arguments import check_mesh_arg, dtype_from_name
     from jaxspec.loading import load_model
     from jaxspec.prompts import load_prompt_set
     from jaxspec.tokenizer import encode_prompt
 
     _check_args(args)
     texts = {name: load_prompt_set(name, args.limit) for name in args.prompt_sets}  # fails fast if not installed
-    target = load_model(args.model, dtype=dtype_from_name(args.dtype), mesh=mesh_to_load_on(args))
+    target = load_model(args.model, dtype=dtype_from_name(args.dtype), mesh=check_mesh_arg(args))
     if target.tokenizer is None:
         raise UserError(f"'{target.source}' has no tokenizer (tokenizer.json); the benchmark encodes text prompts.")
     prompt_sets = {name: [encode_prompt(target.tokenizer, t) for t in prompts] for name, prompts in texts.items()}

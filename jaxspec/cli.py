@@ -26,7 +26,6 @@ from jaxspec.arguments import (
     check_mesh_arg,
     dtype_from_name,
     initialize_distributed,
-    mesh_to_load_on,
     method_options,
 )
 from jaxspec.errors import UserError
@@ -148,10 +147,10 @@ def cmd_generate(args) -> None:
         raise UserError("Give a prompt with --prompt TEXT or --prompts-file FILE.")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    check_mesh_arg(args)
+    mesh = check_mesh_arg(args)
     check_method_options(args.method, method_options(args))  # before the model is loaded
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    model = load_model(args.model, dtype=dtype_from_name(args.dtype), mesh=mesh_to_load_on(args))
+    model = load_model(args.model, dtype=dtype_from_name(args.dtype), mesh=mesh)
     if model.tokenizer is None:
         raise UserError(
             f"'{model.source}' has no tokenizer (tokenizer.json); add one to the folder to prompt with text."

@@ -432,12 +432,12 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=No
             parts.append(value.T if transpose else value)
         return np.stack(parts)
 
-    def place(x, field: str, owner: str = "layers"):
+    def place(x, field: str, in_layers: bool = True):
         if x is None:
             return None
         if mesh is None:
             return jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
-        return _put_field(np.asarray(x, dtype=jnp.dtype(dtype)), mesh, owner, field)
+        return _put_field(np.asarray(x, dtype=jnp.dtype(dtype)), mesh, field, in_layers)
 
     def read(key):
         value = raw.pop(key)
@@ -456,7 +456,7 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=No
     expected_embed = (cfg.vocab_size, d)
     if embed.shape != expected_embed:
         raise UserError(f"Embedding has shape {embed.shape}, the config says {expected_embed}: they disagree.")
-    embed = place(embed, "embed", "top")
+    embed = place(embed, "embed", in_layers=False)
     fields = {
         "attn_norm": lambda: stack("attn_norm"),
         "wq": lambda: heads_in(stack("wq"), cfg.num_heads),
@@ -484,19 +484,15 @@ def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=No
     return Weights(
         embed=embed,
         layers=layers,
-        final_norm=place(read("final_norm"), "final_norm", "top"),
-        lm_head=None if lm_head is None else place(lm_head.T, "lm_head", "top"),
+        final_norm=place(read("final_norm"), "final_norm", in_layers=False),
+        lm_head=None if lm_head is None else place(lm_head.T, "lm_head", in_layers=False),
     )
 
 
-def _put_field(value: np.ndarray, mesh, owner: str, field: str) -> jax.Array:
-    """One weight field (host array, final dtype) placed on `mesh` in `jaxspec.sharding`'s layout: each of this
-    process's devices receives a copy of only its slice (on CPU too: a device buffer never aliases the host array,
-    which is freed after), and the global array is built from them (which also works on many hosts)."""
-    from jaxspec.sharding import weight_field_sharding
+def _put_field(value: np.ndarray, mesh, field: str, in_layers: bool) -> jax.Array:
+    """One weight field (host array, final dtype) placed on `mesh` in `jaxspec.sharding`'s layout, each device
+    receiving only its slice (`put_on_mesh`, which also works on many hosts)."""
+    from jaxspec.sharding import put_on_mesh, weight_field_sharding
 
-    sharding = weight_field_sharding(mesh, field, value, in_layers=owner == "layers")
-    shards = [jax.device_put(value[index], device, may_alias=False)
-              for device, index in sharding.addressable_devices_indices_map(value.shape).items()]
-    return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
+    return put_on_mesh(value, weight_field_sharding(mesh, field, value, in_layers))
 
