@@ -36,25 +36,21 @@ timeout "$REGEN_SECONDS" $JAXSPEC regenerate --out "$WORK/data" --num-prompts "$
     --max-prompt-tokens 128 --max-new-tokens "$MAX_NEW_TOKENS" --batch-size "$REGEN_BATCH" --shard-size 256 \
     --layers stacked --no-progress
 echo "regenerate exit $? ($(date +%T))"
-python -c "import json; m = json.load(open('$WORK/data/manifest.json')); print({k: m[k] for k in m if k in ('counts', 'num_samples', 'response_tokens')} or m.get('counts'))"
+python -c "import json; print(json.load(open('$WORK/data/manifest.json'))['counts'])"
 
-train() {
-    $JAXSPEC train --config configs/eagle3-smollm2-135m.yaml --set data.path="$WORK/data" \
-        --set run.out_dir="$WORK/eagle3" --set run.init_from=jaxspec/drafters/shipped/eagle3-smollm2-135m \
-        --set drafter.draft_vocab_size="$DRAFT_VOCAB" --set run.batch_size="$BATCH" --set run.steps="$1" \
-        --set run.save_every=25 --set run.eval_every=0 --set run.log_every=10 --set optim.learning_rate="$LR" \
-        --set optim.warmup_steps="$WARMUP" --no-progress
-}
+TRAIN=($JAXSPEC train --config configs/eagle3-smollm2-135m.yaml --set data.path="$WORK/data"
+       --set run.out_dir="$WORK/eagle3" --set run.init_from=jaxspec/drafters/shipped/eagle3-smollm2-135m
+       --set drafter.draft_vocab_size="$DRAFT_VOCAB" --set run.batch_size="$BATCH" --set run.save_every=25
+       --set run.eval_every=0 --set run.log_every=10 --set optim.learning_rate="$LR"
+       --set optim.warmup_steps="$WARMUP" --no-progress)
 echo "== train ($(date +%T)): $STEPS steps at batch $BATCH, at most ${TRAIN_SECONDS}s"
-timeout "$TRAIN_SECONDS" bash -c "$(declare -f train); WORK='$WORK' JAXSPEC='$JAXSPEC' DRAFT_VOCAB='$DRAFT_VOCAB' \
-    BATCH='$BATCH' LR='$LR' WARMUP='$WARMUP'; train $STEPS"
-status=$?
-echo "train exit $status ($(date +%T))"
+timeout "$TRAIN_SECONDS" "${TRAIN[@]}" --set run.steps="$STEPS"
+echo "train exit $? ($(date +%T))"
 if [[ ! -d "$WORK/eagle3/drafter" ]]; then  # cut short: finish at the last checkpoint
     last=$(ls "$WORK/eagle3/checkpoints" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1)
     if [[ -n "$last" ]]; then
         echo "== the drafter of step $last"
-        train "$last"
+        "${TRAIN[@]}" --set run.steps="$last"
     fi
 fi
 if [[ -d "$WORK/eagle3/drafter" ]]; then
