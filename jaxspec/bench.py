@@ -149,7 +149,10 @@ def method_k(method: Method, batch_size: int = 1) -> int | None:
     if method.drafter is None or method.is_pipeline:
         return None
     drafter = method.drafter_for_batch(batch_size)
-    return int(getattr(drafter, "depth", None) or drafter.num_nodes)
+    depth, nodes = getattr(drafter, "depth", None), getattr(drafter, "num_nodes", None)
+    if depth and nodes:  # a tree of fewer nodes than its depth (a pruned dynamic tree) accepts at most its nodes
+        return int(min(depth, nodes))
+    return int(depth or nodes)
 
 
 def method_nodes(method: Method, batch_size: int = 1) -> int | None:
