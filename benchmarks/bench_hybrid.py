@@ -7,6 +7,11 @@ causal mask (a chain; a tree of T nodes costs the same here: the ancestor mask r
 forwards in one jitted loop, best of 3; printed in ms and as a multiple of one decoding step (T=1). This says how
 the linear-attention layers change the cost side of speculation: their work per token does not grow with the
 context, but their tree form grows as T^2 per head.
+
+`--stages N`: instead, the cost of each pipeline stage when the 16 layers are cut into N stages of 16/N layers (how
+`jaxspec.pipeline` cuts them): each stage's layers run alone on one token (`run_hybrid_layers`, the layers of the
+hybrid forward), at each context, 10 times in one jitted loop, best of 3. A stage's time is what one pipeline step
+waits for when the stages run on their own devices; the slowest stage sets the step.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import init_cache
 from jaxspec.config import FULL, LINEAR, ModelConfig
-from jaxspec.model import causal_mask, forward, init_weights, unstack_layers
+from jaxspec.model import causal_mask, forward, init_weights, run_hybrid_layers, unstack_layers
 
 LAYERS = 16
 HYBRID = ModelConfig(
@@ -40,7 +45,10 @@ def main() -> None:
     parser.add_argument("--mask", choices=("tree", "chain"), default="tree",
                         help="tree: an explicit (causal) ancestor mask, the verification path; chain: the default "
                              "mask, the prefill path (linear-attention layers in chunks)")
+    parser.add_argument("--stages", type=int, default=0, help="time each of N pipeline stages instead")
     args = parser.parse_args()
+    if args.stages:
+        return stage_costs(args.stages, [int(x) for x in args.contexts.split(",")])
     sizes = [int(x) for x in args.sizes.split(",")]
     print(f"{'model':>10} {'context':>8} {'T':>4} {'ms/forward':>11} {'x one step':>11}")
     for name, cfg in (("hybrid", HYBRID), ("attention", ATTENTION)):
@@ -72,6 +80,42 @@ def main() -> None:
                 base = best if base is None else base
                 print(f"{name:>10} {context:>8} {t:>4} {best * 1e3:>11.2f} {best / base:>10.2f}x", flush=True)
         del weights
+        jax.clear_caches()
+
+
+def stage_costs(num_stages: int, contexts: list[int]) -> None:
+    """Prints each stage's layer kinds and its time for one token (ms) at each context, and its share of the step
+    time of a pipeline whose stages run in parallel (the slowest stage)."""
+    if LAYERS % num_stages:
+        raise SystemExit(f"--stages must divide {LAYERS}")
+    size = LAYERS // num_stages
+    weights = init_weights(HYBRID, jax.random.key(0))
+    print(f"{'stage':>5} {'layers':>12} {'context':>8} {'ms/token':>9} {'/ slowest':>10}")
+    for context in contexts:
+        times = []
+        for j in range(num_stages):
+            kinds = HYBRID.layer_types[j * size:(j + 1) * size]
+            cfg = dataclasses.replace(HYBRID, num_layers=size, layer_types=kinds)
+            layers = weights.layers[j * size:(j + 1) * size]
+            cache = dataclasses.replace(init_cache(cfg, 1, context + 128), lengths=jnp.array([context], jnp.int32))
+
+            def run(layers, cache, n, cfg=cfg):  # n one-token passes through the stage's layers
+                def body(i, x):  # x: [1, 1, d]
+                    out = run_hybrid_layers(cfg, layers, x, cache.lengths[:, None] + i, cache, None)[0]
+                    return out / (1.0 + jnp.max(jnp.abs(out)))  # keeps the values bounded over the loop
+                return jax.lax.fori_loop(0, n, body, jnp.ones((1, 1, cfg.hidden_size), jnp.float32))
+
+            step = jax.jit(run, static_argnums=2)
+            step(layers, cache, 10).block_until_ready()
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                step(layers, cache, 10).block_until_ready()
+                best = min(best, (time.perf_counter() - start) / 10)
+            times.append((j, "".join("L" if k == LINEAR else "A" for k in kinds), best))
+        slowest = max(t for _, _, t in times)
+        for j, kinds, t in times:
+            print(f"{j:>5} {kinds:>12} {context:>8} {t * 1e3:>9.2f} {t / slowest:>9.2f}", flush=True)
         jax.clear_caches()
 
 

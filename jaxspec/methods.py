@@ -223,10 +223,9 @@ def check_method_options(name: str, options: MethodOptions) -> None:
 def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
     check_method_options(name, options)
     spec = method_spec(name)
-    if target.config.is_hybrid and (spec.family == "pipeline" or name == "early-exit"):
-        raise UserError(f"{name} runs the target's layers in separate pieces (stages, or the first layers alone), "
-                        f"which jaxspec does not do yet for a hybrid model with linear-attention layers "
-                        f"({target.config.architecture}); its other methods run on it.")
+    if target.config.is_hybrid and name == "early-exit":
+        raise UserError(f"{name} drafts from the first layers alone, which jaxspec does not do yet for a hybrid model "
+                        f"with linear-attention layers ({target.config.architecture}); its other methods run on it.")
     method = _BUILDERS[spec.family](spec, target, options)
     method.spec = spec
     return method
@@ -290,7 +289,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
 def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
     """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
     from jaxspec.drafters.ppsd import EarlyExitPipelineDrafter
-    from jaxspec.pipeline import check_num_stages, stage_mesh
+    from jaxspec.pipeline import check_num_stages, check_pipeline, stage_mesh
     from jaxspec.sharding import replicate_on_mesh
 
     name = spec.name
@@ -311,6 +310,7 @@ def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOption
             check_num_stages(cfg, options.num_stages)
             drafter = dataclasses.replace(drafter, num_stages=options.num_stages)
         drafter.check_compatible(params, cfg)
+    check_pipeline(cfg, drafter.num_stages, width, options.stage_devices)
     mesh = None
     if options.stage_devices != 1:
         mesh = stage_mesh(drafter.num_stages, options.stage_devices)

@@ -19,6 +19,14 @@ Two executors run the stages, with the same stage function and the same results:
 - one device: `jax.vmap` over the stage axis, then a roll of the outputs by one stage;
 - a mesh with a 'stage' axis: `jax.shard_map` gives each device its block of stages (their layers and their slice
   of the KV cache) and `jax.lax.ppermute` passes the last stage's output of each block to the next device.
+
+A hybrid target (Qwen3.5: Gated DeltaNet layers beside attention layers) runs its stages one after another on one
+device (`run_hybrid_stages`; its stages differ in kind, so they are not one vmapped program). A linear-attention
+layer's state is not a per-position entry that a flush can leave behind: every token moves it. Each such layer
+keeps a ring of n states instead, the state after the token at position p at slot p % n; a token reads its
+predecessor's slot and writes its own. The invariant of the KV cache carries over: after a rejection of the token
+behind position p, the in-flight tokens wrote the slots of positions p + 1 .. p + n - 1 only, so slot p % n still
+holds the state after the last kept token, where the replacement starts (docs/spd.md).
 """
 
 from __future__ import annotations
@@ -37,8 +45,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxspec.cache import init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
+from jaxspec.gated_delta import conv_state_after, state_after
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
-from jaxspec.model import LayerWeights, Weights, embed_tokens, lm_head, run_layers
+from jaxspec.model import (
+    LayerWeights,
+    Weights,
+    _layer,
+    _linear_layer,
+    embed_tokens,
+    lm_head,
+    rope_inverse_frequencies,
+    run_layers,
+)
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token, target_probs
 from jaxspec.sharding import DATA, STAGE, place_inputs, replicate_on_mesh, to_host
 from jaxspec.tree import DraftTree
@@ -52,6 +70,19 @@ def check_num_stages(cfg: ModelConfig, num_stages: int) -> None:
         divisors = [n for n in range(2, cfg.num_layers + 1) if cfg.num_layers % n == 0]
         raise UserError(f"--num-stages must divide the target's {cfg.num_layers} layers into at least 2 equal stages; "
                         f"got {num_stages}. Choose one of {divisors}.")
+
+
+def check_pipeline(cfg: ModelConfig, num_stages: int, tree_width: int = 1, stage_devices: int = 1) -> None:
+    """Refuses, before any work, a pipeline this target cannot run: stages that do not divide its layers, and for
+    a hybrid target siblings (W > 1) or stages on several devices, which jaxspec does not do for it yet."""
+    check_num_stages(cfg, num_stages)
+    if cfg.is_hybrid and tree_width > 1:
+        raise UserError(f"A pipeline over a hybrid model ({cfg.architecture}) drafts one token per step: siblings "
+                        f"(--tree-width {tree_width}) would each need their own recurrent state, which jaxspec does "
+                        "not keep yet. Leave out --tree-width.")
+    if cfg.is_hybrid and stage_devices != 1:
+        raise UserError(f"A pipeline over a hybrid model ({cfg.architecture}) runs its stages on one device for now "
+                        "(its stages differ in layer kinds); leave out --stage-devices.")
 
 
 def stage_size(cfg: ModelConfig, num_stages: int) -> int:
@@ -94,6 +125,73 @@ def _write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array, active: jax
         return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(on, entry.astype(buf.dtype), old), at, axis=axis)
 
     return jax.vmap(row, in_axes=(1, 1, 0, 0), out_axes=1)(buffer, new, index, active)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HybridStageCache:
+    """A hybrid target's cache in a pipeline: k, v [La, B, Hkv, S, h] of its La attention layers (entries written at
+    each token's position, as in `StageCache`); conv [Lg, B, n, K-1, C] and state [Lg, B, n, H, Dk, Dv] float32 of
+    its Lg linear-attention layers: the conv window and recurrent state after the token at position p, at ring slot
+    p % n."""
+
+    k: jax.Array
+    v: jax.Array
+    conv: jax.Array
+    state: jax.Array
+
+
+def hybrid_stage_cache(flat, num_stages: int) -> HybridStageCache:
+    """The pipeline's cache from a prefilled hybrid KVCache: every ring slot starts as the state after the prompt
+    (the first token reads the slot of the last prompt position; the others are written before they are read)."""
+
+    def ring(a):  # [Lg, B, ...] -> [Lg, B, n, ...]
+        return jnp.broadcast_to(a[:, :, None], (a.shape[0], a.shape[1], num_stages, *a.shape[2:]))
+
+    return HybridStageCache(k=flat.k, v=flat.v, conv=ring(flat.conv), state=ring(flat.state))
+
+
+def run_hybrid_stages(cfg: ModelConfig, num_stages: int, layers: tuple[LayerWeights, ...], cache: HybridStageCache,
+                      x, positions, active, snapshot: int | None = None):
+    """Every stage of a hybrid target on its own slot, one stage after another (stages of different layer kinds).
+
+    layers: every layer's LayerWeights (a tuple of L); x: [n, B, 1, d] the residual stream entering each stage;
+    positions: int32[n, B]; active: bool[n, B] (False: a bubble, nothing is written). snapshot: as in
+    `run_stage_block`. Returns (out [n, B, 1, d], snap [n, B, 1, d] or None, cache).
+    """
+    s = stage_size(cfg, num_stages)
+    b = x.shape[1]
+    inv_freq = rope_inverse_frequencies(cfg)
+    linear = np.asarray(cfg.linear_layers, bool)
+    index = np.where(linear, np.cumsum(linear) - 1, np.cumsum(~linear) - 1)  # each layer's index among its kind
+    alone = jnp.ones((b, 1, 1), jnp.bool_)  # [B, T, T]: one token per slot
+    one_path, one_kept = jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)
+    rows = jnp.arange(b)
+    k, v, conv, state = cache.k, cache.v, cache.conv, cache.state
+    outs, snaps = [], []
+    for j in range(num_stages):
+        h, position, on = x[j], positions[j], active[j]  # [B, 1, d], int32[B], bool[B]
+        before, here = (position - 1) % num_stages, position % num_stages  # ring slots, int32[B]
+        for i in range(j * s, (j + 1) * s):
+            g = int(index[i])
+            if linear[i]:
+                conv_in, state_in = conv[g, rows, before], state[g, rows, before]  # [B, K-1, C], [B, H, Dk, Dv]
+                h, pending = _linear_layer(cfg, h, layers[i], conv_in, state_in, alone)
+                keep = on[:, None, None]
+                new_conv = conv_state_after(conv_in, pending, one_path, one_kept).astype(conv.dtype)
+                conv = conv.at[g, rows, here].set(jnp.where(keep, new_conv, conv[g, rows, here]))
+                new_state = state_after(state_in, pending, one_path, one_kept)
+                state = state.at[g, rows, here].set(jnp.where(keep[..., None], new_state, state[g, rows, here]))
+            else:
+                h, new_k, new_v = _layer(cfg, inv_freq, h, layers[i], k[g], v[g], position, position[:, None],
+                                         alone)  # new_k, new_v: [B, Hkv, 1, h]
+                k = k.at[g].set(_write_rows(k[g][None], new_k[None], position, on, axis=2)[0])
+                v = v.at[g].set(_write_rows(v[g][None], new_v[None], position, on, axis=2)[0])
+            if snapshot is not None and i == j * s + snapshot:
+                snaps.append(h)
+        outs.append(h)
+    cache = HybridStageCache(k=k, v=v, conv=conv, state=state)
+    return jnp.stack(outs), jnp.stack(snaps) if snapshot is not None else None, cache
 
 
 def run_stage_block(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache: StageCache, x, positions,
@@ -140,6 +238,9 @@ def pipeline_step(cfg: ModelConfig, num_stages: int, layers: LayerWeights, cache
     Returns (shifted [n, B, W, d]: stage j-1's output at j and stage n-1's output (the finished token) at 0,
     shifted_snap [n, B, W, d] likewise for the `snapshot` layer's output, or None; cache).
     """
+    if cfg.is_hybrid:  # one device (checked by `check_pipeline`)
+        out, snap, cache = run_hybrid_stages(cfg, num_stages, layers, cache, x, positions, active, snapshot)
+        return jnp.roll(out, 1, axis=0), None if snap is None else jnp.roll(snap, 1, axis=0), cache
     per_stage = layers.attn_norm.shape[1]
     layer_ids = jnp.arange(num_stages * per_stage, dtype=jnp.int32).reshape(num_stages, per_stage)  # [n, s]
     if mesh is None:
@@ -301,8 +402,11 @@ def pipeline_generate_tokens(
     logits, prefill_out, flat = prefill(weights, cfg, tokens, prompt_lengths, flat)
     first = sample_token(jax.random.fold_in(rng, 0), logits, sampling)  # [B]
     state = drafter.init(drafter_params, weights, cfg, tokens, prompt_lengths, prefill_out.last_hidden, cache_size)
-    layers = split_stages(weights.layers, n)  # [n, s, ...]
-    cache = StageCache(*split_stages((flat.k, flat.v), n))  # [n, s, B, Hkv, S, h]
+    if cfg.is_hybrid:  # the stages run one after another over the per-layer weights (width 1, one device)
+        layers, cache = weights.layers, hybrid_stage_cache(flat, n)
+    else:
+        layers = split_stages(weights.layers, n)  # [n, s, ...]
+        cache = StageCache(*split_stages((flat.k, flat.v), n))  # [n, s, B, Hkv, S, h]
     if width > 1:
         side = (n, cfg.num_layers // n, b, width - 1, cfg.num_kv_heads, n, cfg.head_dim)
         cache = dataclasses.replace(cache, side_k=jnp.zeros(side, flat.k.dtype), side_v=jnp.zeros(side, flat.v.dtype))
@@ -477,8 +581,10 @@ def pipeline_generate(
     mesh from `jaxspec.sharding.make_mesh`: the rows split over data and the weights over model, with the stages
     emulated on each group of devices and jit's partitioner placing the collectives (no shard_map of its own).
     """
-    check_num_stages(cfg, drafter.num_stages)
     stages_on_mesh = mesh is not None and STAGE in mesh.axis_names
+    check_pipeline(cfg, drafter.num_stages, drafter.tree_width, mesh.shape[STAGE] if stages_on_mesh else 1)
+    if cfg.is_hybrid and mesh is not None:
+        raise UserError(f"A hybrid model ({cfg.architecture}) runs on one device in jaxspec for now; pass no mesh.")
     if stages_on_mesh and drafter.num_stages % mesh.shape[STAGE]:
         raise UserError(f"{drafter.num_stages} stages cannot be split evenly over the mesh's {mesh.shape[STAGE]} "
                         "stage devices.")

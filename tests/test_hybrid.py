@@ -5,12 +5,13 @@ recurrent and conv states (and the next logits) equal a fresh prefill of the com
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import fixture_path
 
 from jaxspec import load_model
 from jaxspec.cache import commit_positions, commit_recurrent, init_cache
 from jaxspec.generate import decode_step, prefill
-from jaxspec.sampling import GREEDY
+from jaxspec.sampling import GREEDY, SamplingConfig
 from jaxspec.tree import DraftTree
 from jaxspec.verification import verify_and_accept, verify_forward
 
@@ -111,3 +112,115 @@ def test_a_long_prefill_runs_in_chunks_and_equals_decoding_token_by_token():
         _, stepped = decode_step(w, cfg, ids[:, i], stepped, jnp.ones(1, bool))
     np.testing.assert_allclose(np.asarray(prefilled.state), np.asarray(stepped.state), atol=1e-4)
     np.testing.assert_allclose(np.asarray(prefilled.conv), np.asarray(stepped.conv), atol=1e-5)  # layer 1 reads layer 0
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+
+
+def _hybrid_pipeline_model(vocab: int, scale: float, seed: int = 0):
+    """A random Qwen3.5-shaped model of 4 layers (three Gated DeltaNet layers, then attention), so that 4 stages of
+    one layer each put linear-attention layers in stages that a flush cuts at different depths."""
+    from jaxspec.config import FULL, LINEAR, ModelConfig
+    from jaxspec.model import init_weights
+
+    cfg = ModelConfig(architecture="qwen3_5", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, partial_rotary_factor=0.5,
+                      attention_output_gate=True, layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                      linear_value_head_dim=8, linear_conv_kernel=4, max_position_embeddings=256)
+    return cfg, init_weights(cfg, jax.random.key(seed), scale=scale)
+
+
+def _relative_error(actual, desired) -> float:
+    """max |actual - desired| over max |desired|."""
+    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+    return float(np.max(np.abs(actual - desired)) / np.max(np.abs(desired)))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0)], ids=["greedy", "T1"])
+def test_a_pipeline_over_a_hybrid_target_restarts_from_the_kept_state(sampling):
+    """PPSD through 4 stages of a hybrid target, with an untrained early exit that is rejected often: greedy output
+    equals autoregressive decoding, and at the end every linear-attention layer's ring holds, at the slot of the last
+    committed position, the conv and recurrent states of plain decoding of the committed text (and every committed
+    attention slot its keys): a flush that left the flushed tokens' updates in the state would fail both."""
+    from jaxspec.drafters.ppsd import EarlyExitPipelineDrafter
+    from jaxspec.generate import generate, pad_prompts
+    from jaxspec.pipeline import pipeline_generate_tokens
+
+    cfg, weights = _hybrid_pipeline_model(vocab=64, scale=0.5)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    n, new = 4, 16
+    batch = pad_prompts(prompts, new, cfg, draft_slots=n + 1)
+    out, counts, stats, (cache, committed) = pipeline_generate_tokens(
+        weights, cfg, EarlyExitPipelineDrafter(num_stages=n), None, jnp.asarray(batch.tokens),
+        jnp.asarray(batch.lengths), jax.random.key(0), max_new_tokens=new, cache_size=batch.cache_size,
+        sampling=sampling)
+    assert int(stats["rejections"].sum()) > 5 and int(stats["exits"].sum()) > int(stats["rejections"].sum())
+    if sampling.greedy:
+        assert np.asarray(out).tolist() == generate(weights, cfg, prompts, max_new_tokens=new, eos_ids=()).token_ids
+    for row, prompt in enumerate(prompts):
+        c = int(committed[row])
+        text = prompt + np.asarray(out[row]).tolist()
+        assert len(prompt) < c <= len(text)
+        # the reference computes as the pipeline does: the prompt prefilled, then the committed tokens one by one
+        _, _, fresh = prefill(weights, cfg, jnp.asarray([prompt]), jnp.array([len(prompt)]), init_cache(cfg, 1, 64))
+        for token in text[len(prompt):c]:
+            _, fresh = decode_step(weights, cfg, jnp.asarray([token]), fresh, jnp.ones(1, bool))
+        slot = (c - 1) % n
+        # float32 rounding apart (two programs, through three recurrent layers): within 1e-4 of each array's
+        # largest value (conv inputs reach 6-11 at this weight scale); the neighbouring slot, a state one token
+        # older, is 1e-2 of it off or more, as a state with a flushed token's update in it would be
+        pairs = [(cache.state[:, row, slot], fresh.state[:, 0]), (cache.conv[:, row, slot], fresh.conv[:, 0]),
+                 (cache.k[:, row, :, :c], fresh.k[:, 0, :, :c])]
+        for actual, desired in pairs:
+            assert _relative_error(actual, desired) < 1e-4
+        assert _relative_error(cache.state[:, row, (c - 2) % n], fresh.state[:, 0]) > 1e-2
+        assert _relative_error(cache.conv[:, row, (c - 2) % n], fresh.conv[:, 0]) > 1e-2
+
+
+@pytest.mark.optimized  # 3 x 4000 rows through 4 stages
+def test_a_pipeline_over_a_hybrid_target_keeps_its_distribution():
+    """12,000 sampled 3-token continuations of PPSD over the 4-stage hybrid target against its exact distribution
+    (all 6^3 sequences enumerated), as tests/test_pipeline.py checks attention targets; the same samples fail
+    against the distribution at 1.5x the temperature, so the check can fail."""
+    from test_pipeline import _chi_square, _chi_square_threshold, exact_distribution
+
+    from jaxspec.drafters.ppsd import EarlyExitPipelineDrafter
+    from jaxspec.generate import pad_prompts
+    from jaxspec.pipeline import pipeline_generate_tokens
+
+    cfg, weights = _hybrid_pipeline_model(vocab=6, scale=0.3)
+    sampling = SamplingConfig(temperature=0.9, top_k=4)
+    prompt, length, rows, n = [1, 2, 3], 3, 4000, 4
+    batch = pad_prompts([prompt] * rows, length, cfg, draft_slots=n + 1)
+    exact = exact_distribution(cfg, weights, prompt, length, sampling)
+    counts, rejections, exits = np.zeros(cfg.vocab_size ** length), 0, 0
+    for seed in range(3):
+        out, _, stats, _ = pipeline_generate_tokens(
+            weights, cfg, EarlyExitPipelineDrafter(num_stages=n), None, jnp.asarray(batch.tokens),
+            jnp.asarray(batch.lengths), jax.random.key(seed), max_new_tokens=length, cache_size=batch.cache_size,
+            sampling=sampling)
+        counts += np.bincount(np.asarray(out) @ (cfg.vocab_size ** np.arange(length - 1, -1, -1)),
+                              minlength=counts.size)
+        rejections, exits = rejections + int(stats["rejections"].sum()), exits + int(stats["exits"].sum())
+    assert 0.05 * exits < rejections < 0.95 * exits, (rejections, exits)
+    stat, df = _chi_square(counts, exact)
+    assert stat < _chi_square_threshold(df), (stat, df)
+    other = exact_distribution(cfg, weights, prompt, length, SamplingConfig(temperature=1.35, top_k=4))
+    stat_other, df_other = _chi_square(counts, other)
+    assert stat_other > _chi_square_threshold(df_other), stat_other
+
+
+def test_pipelines_over_a_hybrid_target_refuse_what_they_cannot_do():
+    from jaxspec.errors import UserError
+    from jaxspec.pipeline import check_pipeline
+
+    cfg, _ = _hybrid_pipeline_model(vocab=64, scale=0.5)
+    check_pipeline(cfg, 4)
+    check_pipeline(cfg, 2)
+    with pytest.raises(UserError, match="siblings .*--tree-width 2"):
+        check_pipeline(cfg, 4, tree_width=2)
+    with pytest.raises(UserError, match="one device.*--stage-devices"):
+        check_pipeline(cfg, 4, stage_devices=2)
+    with pytest.raises(UserError, match="--num-stages must divide"):
+        check_pipeline(cfg, 3)

@@ -83,7 +83,8 @@ class SPDConfig:
     def init_params(self, target_cfg: ModelConfig, target_weights: Weights, key: jax.Array | None = None,
                     vocab_counts: np.ndarray | None = None) -> SPDParams:
         """Fresh parameters: the fusion FC starts as 'take the deepest snapshot' plus noise, the layers as copies
-        of the target's last Ls layers, the final norm and LM head as the target's (on the draft vocabulary)."""
+        of the target's last Ls layers (of a hybrid target, its last Ls attention layers), the final norm and LM
+        head as the target's (on the draft vocabulary)."""
         cfg = self.for_target(target_cfg)
         counts = np.zeros(target_cfg.vocab_size, np.int64) if vocab_counts is None else vocab_counts
         d2t, _ = build_vocab_map(counts, cfg.draft_vocab_size)
@@ -92,8 +93,16 @@ class SPDConfig:
         dtype = target_weights.embed.dtype
         noise = self.init_scale * jax.random.normal(key, (3 * d, d))
         fuse = noise.at[d:2 * d].add(jnp.eye(d)).astype(dtype)  # rows: [embedding; deepest; middle]
-        first = target_cfg.num_layers - self.num_layers
-        layers = jax.tree.map(lambda w: jnp.array(w[first:], dtype, copy=True), target_weights.layers)
+        if target_cfg.is_hybrid:  # the drafter's layers attend: copies of the target's last Ls attention layers
+            attention = [lw for lw, linear in zip(target_weights.layers, target_cfg.linear_layers, strict=True)
+                         if not linear]
+            if len(attention) < self.num_layers:
+                raise UserError(f"drafter.num_layers={self.num_layers}, but this hybrid target has only "
+                                f"{len(attention)} attention layer(s) to start the drafter's layers from.")
+            layers = jax.tree.map(lambda *w: jnp.stack(w).astype(dtype), *attention[len(attention) - self.num_layers:])
+        else:
+            first = target_cfg.num_layers - self.num_layers
+            layers = jax.tree.map(lambda w: jnp.array(w[first:], dtype, copy=True), target_weights.layers)
         shared = target_weights.embed.T if target_weights.lm_head is None else target_weights.lm_head  # [d, V]
         d2t = jnp.asarray(d2t, jnp.int32)
         return SPDParams(fuse=fuse, layers=layers, final_norm=jnp.array(target_weights.final_norm, dtype, copy=True),
