@@ -490,8 +490,8 @@ def run_hybrid_layers(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, pos
     layers: a tuple of every layer's LayerWeights; x: [B, T, d]; positions: int32[B, T]; cache: the committed
     context (None: none, as for a prefill); mask: bool[B, T, T] or None (one token); chain: the new tokens are a
     chain (the mask is causal): the linear-attention layers run it in chunks.
-    Returns (x [B, T, d], new_k [La, B, Hkv, T, h], new_v for the La attention layers, hidden [L, B, T, d] or None,
-    PendingDelta stacked over the linear-attention layers).
+    Returns (x [B, T, d], new_k [La, B, Hkv, T, h], new_v for the La attention layers (None when there are none),
+    hidden [L, B, T, d] or None, PendingDelta stacked over the linear-attention layers (None when there are none)).
     """
     b, t = x.shape[:2]
     ancestors = jnp.ones((b, 1, 1), jnp.bool_) if mask is None else mask  # [B, T, T]
@@ -512,8 +512,9 @@ def run_hybrid_layers(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, pos
             new_k.append(nk)
             new_v.append(nv)
         hidden.append(x)
-    stacked = jax.tree.map(lambda *parts: jnp.stack(parts), *pending)
-    return x, jnp.stack(new_k), jnp.stack(new_v), jnp.stack(hidden) if keep_hidden else None, stacked
+    stacked = jax.tree.map(lambda *parts: jnp.stack(parts), *pending) if pending else None
+    new_k, new_v = (jnp.stack(new) if new else None for new in (new_k, new_v))
+    return x, new_k, new_v, jnp.stack(hidden) if keep_hidden else None, stacked
 
 
 def layer_kinds(cfg: ModelConfig, layer_ids) -> tuple[jax.Array, jax.Array] | None:
