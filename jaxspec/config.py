@@ -19,8 +19,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "g
 # Hugging Face model_type -> architecture (Gemma 3's text model is "gemma3_text"; a multimodal "gemma3" folder holds
 # one under text_config, read by `from_hf_config`).
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                  "qwen3_5_text": "qwen3_5", "gemma3_text": "gemma3"}
-MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}  # their language model's model_type
+                  "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "gemma3_text": "gemma3"}
+# their language model's model_type
+MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
 HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF hidden_act -> jaxspec's name
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of a model with sliding-window layers
@@ -73,6 +74,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the chosen experts' router probabilities renormalised to sum to 1
+    # Qwen3.5-MoE: a shared expert of this width beside the routed ones, every token through it, its output scaled
+    # by sigmoid(x . shared_expert_gate) (0: none)
+    shared_expert_intermediate_size: int = 0
     # Hybrid linear attention (Qwen3.5): the LINEAR layers are Gated DeltaNets (jaxspec.gated_delta) with these
     # head counts and dims and a causal conv of `linear_conv_kernel` taps; its attention layers gate their output
     # and rotate only the first partial_rotary_factor of each head
@@ -99,6 +103,8 @@ class ModelConfig:
                                 f"{self.num_layers} layers; got {list(self.layer_types)}.")
             if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_rope_theta):
                 raise UserError("A config with sliding-window layers needs sliding_window and their RoPE base.")
+        if self.shared_expert_intermediate_size and not self.num_experts:
+            raise UserError("shared_expert_intermediate_size needs a mixture of experts (num_experts > 0).")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UserError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts="
                             f"{self.num_experts}.")
@@ -146,6 +152,8 @@ class ModelConfig:
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
         mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d) if self.num_experts else 3 * d * f
+        if self.shared_expert_intermediate_size:
+            mlp += 3 * d * self.shared_expert_intermediate_size + d
         layer = attn + mlp + (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
         out = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.num_layers * layer + self.vocab_size * d + d + out
@@ -209,7 +217,8 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
+            # a Qwen3.5-MoE config has no dense width: its shared expert's stands in (unused by the forward)
+            intermediate_size=raw.get("intermediate_size") or raw["shared_expert_intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
@@ -357,7 +366,7 @@ class ModelConfig:
             }
             rope = None
         if self.architecture == "qwen3_5":
-            extra = {"layer_types": list(self.layer_types), "linear_num_key_heads": self.linear_num_key_heads,
+            extra |= {"layer_types": list(self.layer_types), "linear_num_key_heads": self.linear_num_key_heads,
                      "linear_num_value_heads": self.linear_num_value_heads,
                      "linear_key_head_dim": self.linear_key_head_dim,
                      "linear_value_head_dim": self.linear_value_head_dim,
@@ -365,11 +374,15 @@ class ModelConfig:
                      "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
                                          "partial_rotary_factor": self.partial_rotary_factor}}
         if self.num_experts:
-            extra = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
-                     "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob}
+            extra |= {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                      "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob}
+        if self.shared_expert_intermediate_size:
+            extra["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        model_type = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}.get(self.architecture, self.architecture)
+        if self.architecture == "qwen3_5" and self.num_experts:
+            model_type = "qwen3_5_moe_text"
         return {
-            "model_type": {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}.get(self.architecture,
-                                                                                   self.architecture),
+            "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -392,6 +405,10 @@ class ModelConfig:
 
 def _experts_from_hf(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a config.json (transformers 5 writes num_experts as num_local_experts)."""
+    if architecture == "qwen3_5" and raw.get("num_experts"):  # Qwen3.5-MoE: its router always renormalises
+        return dict(num_experts=int(raw["num_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                    moe_intermediate_size=int(raw["moe_intermediate_size"]), norm_topk_prob=True,
+                    shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
     if architecture != "qwen3_moe":
         return {}
     return dict(num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),

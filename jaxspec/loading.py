@@ -357,8 +357,8 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
     if not cfg.qk_norm:
         names.pop("q_norm"), names.pop("k_norm")
     if cfg.is_hybrid:  # one LayerWeights per layer; jaxspec runs these on one device (`mesh` is not used)
-        return cfg, _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, norm_offset,
-                                   dtype)
+        return cfg, _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, where,
+                                   norm_offset, dtype)
 
     def lazy(name: str, offset: float):  # reads the tensor when called; a missing one is a clear error now
         if name not in where:
@@ -375,9 +375,10 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
     return cfg, _assemble(cfg, raw, per_layer, dtype, mesh)
 
 
-def _hybrid_layers(cfg: ModelConfig, raw: dict, get, norm_offset: float, dtype) -> Weights:
-    """A hybrid model's weights (Qwen3.5) from a Hugging Face checkpoint: one LayerWeights per layer (linear-attention
-    and attention layers hold different fields, so they are not stacked), in jaxspec's layout."""
+def _hybrid_layers(cfg: ModelConfig, raw: dict, get, names, norm_offset: float, dtype) -> Weights:
+    """A hybrid model's weights (Qwen3.5, Qwen3.5-MoE) from a Hugging Face checkpoint: one LayerWeights per layer
+    (linear-attention and attention layers hold different fields, so they are not stacked), in jaxspec's layout.
+    names: the checkpoint's tensor names."""
     d, h, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
 
@@ -390,10 +391,26 @@ def _hybrid_layers(cfg: ModelConfig, raw: dict, get, norm_offset: float, dtype) 
         fields = {
             "attn_norm": get(p + "input_layernorm.weight") + norm_offset,
             "mlp_norm": get(p + "post_attention_layernorm.weight") + norm_offset,
-            "w_gate": get(p + "mlp.gate_proj.weight").T,  # [d, f]
-            "w_up": get(p + "mlp.up_proj.weight").T,
-            "w_down": get(p + "mlp.down_proj.weight").T,  # [f, d]
         }
+        if cfg.num_experts:  # Qwen3.5-MoE: routed experts in jaxspec's layout, and the shared expert
+            experts = {key: read() for key, read in _hf_experts(get, names, p + "mlp.", cfg.num_experts).items()}
+            fields.update(
+                router=experts["router"].T,  # [d, E]
+                expert_gate=experts["expert_gate"].swapaxes(1, 2),  # [E, d, F]
+                expert_up=experts["expert_up"].swapaxes(1, 2),
+                expert_down=experts["expert_down"].swapaxes(1, 2),  # [E, F, d]
+            )
+            if cfg.shared_expert_intermediate_size:
+                fields.update(
+                    shared_gate=get(p + "mlp.shared_expert.gate_proj.weight").T,  # [d, Fs]
+                    shared_up=get(p + "mlp.shared_expert.up_proj.weight").T,
+                    shared_down=get(p + "mlp.shared_expert.down_proj.weight").T,  # [Fs, d]
+                    shared_expert_gate=get(p + "mlp.shared_expert_gate.weight")[0],  # [d]
+                )
+        else:
+            fields.update(w_gate=get(p + "mlp.gate_proj.weight").T,  # [d, f]
+                          w_up=get(p + "mlp.up_proj.weight").T,
+                          w_down=get(p + "mlp.down_proj.weight").T)  # [f, d]
         if cfg.linear_layers[i]:
             a = p + "linear_attn."
             fields.update(

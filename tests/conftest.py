@@ -54,7 +54,7 @@ def pytest_unconfigure(config):
             shutil.rmtree(folder, ignore_errors=True)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-TINY_MODELS = ("qwen2", "qwen3", "llama3", "gemma3", "qwen3moe", "qwen3_5")
+TINY_MODELS = ("qwen2", "qwen3", "llama3", "gemma3", "qwen3moe", "qwen3_5", "qwen3_5_moe")
 
 
 def fixture_path(name: str) -> str:

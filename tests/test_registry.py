@@ -76,7 +76,7 @@ def _options(spec) -> MethodOptions:
     return MethodOptions(**options)
 
 
-@pytest.fixture(scope="module", params=["llama3", "gemma3", "qwen3moe", "qwen3_5"])
+@pytest.fixture(scope="module", params=["llama3", "gemma3", "qwen3moe", "qwen3_5", "qwen3_5_moe"])
 def target(request):
     """The tiny Llama-3, the tiny Gemma 3 (a sliding window of 8 positions: drafts and trees cross it) and the tiny
     Qwen3-MoE (8 experts, 2 per token) and the tiny Qwen3.5 (two Gated DeltaNet layers and one attention layer:
