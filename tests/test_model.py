@@ -90,9 +90,9 @@ def test_gemma3_270m_logits_and_greedy_match_transformers(gemma3_270m):
 @pytest.mark.parametrize("name, multimodal", [("gemma3", "gemma3"), ("qwen3_5", "qwen3_5"),
                                               ("qwen3_5_moe", "qwen3_5_moe")])
 def test_a_multimodal_folder_runs_its_language_model(tmp_path, name, multimodal):
-    """A published gemma3, qwen3_5 or qwen3_5_moe folder (a vision tower beside the language model: config.json with text_config,
-    tensors under model.language_model.) loads as its text model: the same config and logits as the text-only
-    folder."""
+    """A published gemma3, qwen3_5 or qwen3_5_moe folder (a vision tower beside the language model: config.json with
+    text_config, tensors under model.language_model.) loads as its text model: the same config and logits as the
+    text-only folder."""
     import json
 
     from safetensors.numpy import load_file, save_file
