@@ -148,15 +148,22 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Number of weights, the embedding counted once when it is tied to the output."""
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn = d * hd * (self.num_heads * (3 if self.attention_output_gate else 2) + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        attn += 2 * hd if self.qk_norm else 0
+        hv, dv = self.linear_num_value_heads, self.linear_value_head_dim
+        c = self.linear_conv_channels
+        # a Gated DeltaNet layer: in_proj_qkv, in_proj_z, in_proj_b and _a, conv, dt_bias, A_log, norm, out_proj
+        linear = d * c + d * hv * dv + 2 * d * hv + c * self.linear_conv_kernel + 2 * hv + dv + hv * dv * d
         mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d) if self.num_experts else 3 * d * f
         if self.shared_expert_intermediate_size:
             mlp += 3 * d * self.shared_expert_intermediate_size + d
-        layer = attn + mlp + (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * d
+        num_linear = sum(self.linear_layers)
+        layers = (self.num_layers - num_linear) * attn + num_linear * linear + self.num_layers * (mlp + norms)
         out = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.num_layers * layer + self.vocab_size * d + d + out
+        return layers + self.vocab_size * d + d + out
 
     # ------------------------------------------------------------------ constructors
 

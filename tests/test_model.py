@@ -388,3 +388,16 @@ def test_qwen3_moe_with_dense_layers_is_refused_by_name():
         raw = json.load(f)
     with pytest.raises(UserError, match="mlp_only_layers=\\[1\\]"):
         ModelConfig.from_hf_dict({**raw, "mlp_only_layers": [1]})
+
+
+def test_the_parameter_count_is_the_checkpoint_s(tiny):
+    """ModelConfig.num_parameters (what `jaxspec plan` and bench_ar's bandwidth bound use) counts exactly the
+    tensors transformers saved for each tiny architecture: attention with biases, norms and output gates, experts
+    and the shared one, Gated DeltaNet layers, a tied or untied output."""
+    from conftest import fixture_path
+    from safetensors import safe_open
+
+    name, model, _ = tiny
+    with safe_open(fixture_path(f"tiny-{name}") + "/model.safetensors", "numpy") as f:
+        saved = sum(int(np.prod(f.get_slice(key).get_shape())) for key in f.keys())
+    assert model.config.num_parameters() == saved
