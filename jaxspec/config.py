@@ -22,7 +22,8 @@ HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_m
                   "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "gemma3_text": "gemma3"}
 # their language model's model_type
 MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3",
+                      "qwen35": "qwen3_5"}
 HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF hidden_act -> jaxspec's name
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of a model with sliding-window layers
 LINEAR = "linear_attention"  # a Gated DeltaNet layer of a hybrid model (Qwen3.5)
@@ -291,9 +292,11 @@ class ModelConfig:
         num_heads = int(get("attention.head_count"))
         head_dim = int(get("attention.key_length", hidden // num_heads))
         vocab = get("vocab_size")
-        if vocab is None:
-            vocab = len(meta["tokenizer.ggml.tokens"])
         names = {t.name for t in reader.tensors}
+        if vocab is None and "tokenizer.ggml.tokens" in meta:
+            vocab = len(meta["tokenizer.ggml.tokens"])
+        elif vocab is None:  # a file written without a vocabulary: the embedding's rows (ggml's ne lists d first)
+            vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
         scaling = RopeScaling()
         kind = get("rope.scaling.type")
         if kind == "linear":
@@ -320,6 +323,23 @@ class ModelConfig:
                 sliding_window=int(get("attention.sliding_window")),
                 sliding_rope_theta=10000.0,
             )
+        hybrid = {}
+        if arch == "qwen3_5":
+            # llama.cpp's ssm.* keys: state_size is the key head dim, group_count the key heads, time_step_rank the
+            # value heads, inner_size value heads x value head dim. The layer kinds come from the tensors a layer
+            # has (attn_qkv: Gated DeltaNet), not from full_attention_interval, which the converter writes as 4
+            # whenever config.json does not name it, whatever the layer_types said.
+            value_heads = int(get("ssm.time_step_rank"))
+            hybrid = dict(
+                layer_types=tuple(LINEAR if f"blk.{i}.attn_qkv.weight" in names else FULL
+                                  for i in range(int(get("block_count")))),
+                linear_num_key_heads=int(get("ssm.group_count")), linear_num_value_heads=value_heads,
+                linear_key_head_dim=int(get("ssm.state_size")),
+                linear_value_head_dim=int(get("ssm.inner_size")) // value_heads,
+                linear_conv_kernel=int(get("ssm.conv_kernel")),
+                partial_rotary_factor=int(get("rope.dimension_count", head_dim)) / head_dim,
+                attention_output_gate=True,
+            )
         experts = {}
         if arch == "qwen3_moe":  # llama.cpp always renormalises the chosen experts' weights for qwen3moe
             experts = dict(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
@@ -338,12 +358,13 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
+            qk_norm=any(name.endswith(".attn_q_norm.weight") for name in names),  # block 0 may be a linear layer
             max_position_embeddings=int(get("context_length", 4096)),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **gemma,
             **experts,
+            **hybrid,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -159,8 +159,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bo
         from jaxspec.tokenizer import load_tokenizer, tokenizer_from_gguf
 
         try:
+            if reader is not None and reader.get("tokenizer.ggml.model") == "none":
+                raise FileNotFoundError  # a GGUF written without a vocabulary (tokenizer.ggml.model "none")
             tokenizer = load_tokenizer(path) if reader is None else tokenizer_from_gguf(reader)
-        except FileNotFoundError:  # a weights-only folder: the model runs on token ids
+        except FileNotFoundError:  # a weights-only folder or file: the model runs on token ids
             tokenizer = None
         except ValueError as e:
             raise UserError(str(e)) from None
@@ -212,6 +214,12 @@ def load_gguf(path: str, dtype=jnp.float32, reader=None, mesh=None) -> tuple[Mod
         # numpy shape is the reverse of GGUF's ne: [out, in] for matrices.
         return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
 
+    if cfg.is_hybrid:  # Qwen3.5: read as the Hugging Face tensors llama.cpp's converter started from
+        hf = _gguf_as_hf(cfg, get)
+        raw = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight"),
+               "lm_head": None if cfg.tie_word_embeddings else get("output.weight")}
+        return cfg, _hybrid_layers(cfg, raw, hf, None, 0.0, dtype)  # the file's norms hold their + 1 already
+
     permute = cfg.architecture == "llama"
 
     def lazy(name: str, heads: int | None = None):  # reads (and un-permutes) the tensor when called
@@ -251,6 +259,60 @@ def load_gguf(path: str, dtype=jnp.float32, reader=None, mesh=None) -> tuple[Mod
                          post_mlp_norm=lazy(p + "post_ffw_norm.weight"))
         per_layer.append(layer)
     return cfg, _assemble(cfg, raw, per_layer, dtype, mesh)
+
+
+def _gguf_as_hf(cfg: ModelConfig, get):
+    """A reader of a qwen35 GGUF file by Hugging Face tensor names ("layers.{i}.linear_attn.A_log", ...), undoing what
+    llama.cpp's convert_hf_to_gguf.py does to a Qwen3.5 checkpoint:
+    - the value heads of every linear-attention tensor are stored tiled (index r K + k, K key heads, R = V / K value
+      heads per key head) instead of grouped by key head (k R + r): the V rows of in_proj_qkv and of the conv, the
+      rows of in_proj_z, in_proj_a, in_proj_b, dt_bias and A_log, and the columns of out_proj;
+    - A_log is stored as ssm_a = -exp(A_log); the conv as [C, K] (its middle axis squeezed);
+    - names follow llama.cpp (attn_qkv, attn_gate, ssm_*; the MLP norm is post_attention_norm); norms already hold
+      their + 1 (the gated norm inside the linear layer has none, in both).
+    The attention layers' q_proj (query and output gate interleaved per head) is stored as it is."""
+    import re
+
+    k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qk = 2 * k_heads * dk  # the conv's q and k channels, ahead of its V
+
+    def grouped(w, width, axis=0):  # [.., V * width, ..] tiled -> grouped by key head, on `axis`
+        w = np.moveaxis(w, axis, 0)
+        rest = w.shape[1:]
+        w = w.reshape(v_heads // k_heads, k_heads, width, *rest).swapaxes(0, 1).reshape(v_heads * width, *rest)
+        return np.moveaxis(w, 0, axis)
+
+    def with_grouped_values(w):  # [C, ...]: q and k channels as stored, the V channels regrouped
+        return np.concatenate([w[:qk], grouped(w[qk:], dv)])
+
+    linear = {
+        "in_proj_qkv.weight": lambda b: with_grouped_values(get(b + "attn_qkv.weight")),
+        "in_proj_z.weight": lambda b: grouped(get(b + "attn_gate.weight"), dv),
+        "in_proj_b.weight": lambda b: grouped(get(b + "ssm_beta.weight"), 1),
+        "in_proj_a.weight": lambda b: grouped(get(b + "ssm_alpha.weight"), 1),
+        "conv1d.weight": lambda b: with_grouped_values(get(b + "ssm_conv1d.weight"))[:, None, :],  # [C, 1, K]
+        "dt_bias": lambda b: grouped(get(b + "ssm_dt.bias"), 1),
+        "A_log": lambda b: np.log(-grouped(get(b + "ssm_a"), 1)),
+        "norm.weight": lambda b: get(b + "ssm_norm.weight"),
+        "out_proj.weight": lambda b: grouped(get(b + "ssm_out.weight"), dv, axis=1),
+    }
+    plain = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.weight": "attn_q.weight",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight"}
+
+    def read(name: str) -> np.ndarray:
+        layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", name).groups()
+        block = f"blk.{layer}."
+        if rest.startswith("linear_attn."):
+            return linear[rest.removeprefix("linear_attn.")](block)
+        return get(block + plain[rest])
+
+    return read
 
 
 # ---------------------------------------------------------------------------------------------- HF folder
