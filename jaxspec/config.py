@@ -23,7 +23,7 @@ HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_m
 # their language model's model_type
 MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3",
-                      "qwen35": "qwen3_5"}
+                      "qwen35": "qwen3_5", "qwen35moe": "qwen3_5"}
 HIDDEN_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # HF hidden_act -> jaxspec's name
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of a model with sliding-window layers
 LINEAR = "linear_attention"  # a Gated DeltaNet layer of a hybrid model (Qwen3.5)
@@ -341,14 +341,16 @@ class ModelConfig:
                 attention_output_gate=True,
             )
         experts = {}
-        if arch == "qwen3_moe":  # llama.cpp always renormalises the chosen experts' weights for qwen3moe
+        if gguf_arch in ("qwen3moe", "qwen35moe"):  # llama.cpp always renormalises the chosen experts' weights
             experts = dict(num_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
-                           moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True)
+                           moe_intermediate_size=int(get("expert_feed_forward_length")), norm_topk_prob=True,
+                           shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)))
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
+            # a Qwen3.5-MoE file has no dense width: its shared expert's stands in, as for its config.json
+            intermediate_size=int(get("feed_forward_length") or get("expert_shared_feed_forward_length")),
             num_layers=int(get("block_count")),
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),

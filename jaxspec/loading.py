@@ -218,7 +218,13 @@ def load_gguf(path: str, dtype=jnp.float32, reader=None, mesh=None) -> tuple[Mod
         hf = _gguf_as_hf(cfg, get)
         raw = {"embed": get("token_embd.weight"), "final_norm": get("output_norm.weight"),
                "lm_head": None if cfg.tie_word_embeddings else get("output.weight")}
-        return cfg, _hybrid_layers(cfg, raw, hf, None, 0.0, dtype)  # the file's norms hold their + 1 already
+
+        def experts(i: int) -> dict:  # Qwen3.5-MoE: the converter stacks them as jaxspec's HF reader does
+            return {key: get(f"blk.{i}.{name}.weight") for key, name in (
+                ("router", "ffn_gate_inp"), ("expert_gate", "ffn_gate_exps"), ("expert_up", "ffn_up_exps"),
+                ("expert_down", "ffn_down_exps"))}
+
+        return cfg, _hybrid_layers(cfg, raw, hf, experts, 0.0, dtype)  # the file's norms hold their + 1 already
 
     permute = cfg.architecture == "llama"
 
@@ -303,7 +309,11 @@ def _gguf_as_hf(cfg: ModelConfig, get):
              "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.weight": "attn_q.weight",
              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
              "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-             "self_attn.k_norm.weight": "attn_k_norm.weight"}
+             "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+             "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
 
     def read(name: str) -> np.ndarray:
         layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", name).groups()
@@ -419,7 +429,10 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
     if not cfg.qk_norm:
         names.pop("q_norm"), names.pop("k_norm")
     if cfg.is_hybrid:  # one LayerWeights per layer; jaxspec runs these on one device (`mesh` is not used)
-        return cfg, _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, where,
+        def experts(i: int) -> dict:  # layer i's router and experts in GGUF's layout
+            return {key: read() for key, read in _hf_experts(get, where, f"layers.{i}.mlp.", cfg.num_experts).items()}
+
+        return cfg, _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, experts,
                                    norm_offset, dtype)
 
     def lazy(name: str, offset: float):  # reads the tensor when called; a missing one is a clear error now
@@ -437,10 +450,11 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
     return cfg, _assemble(cfg, raw, per_layer, dtype, mesh)
 
 
-def _hybrid_layers(cfg: ModelConfig, raw: dict, get, names, norm_offset: float, dtype) -> Weights:
+def _hybrid_layers(cfg: ModelConfig, raw: dict, get, experts, norm_offset: float, dtype) -> Weights:
     """A hybrid model's weights (Qwen3.5, Qwen3.5-MoE) from a Hugging Face checkpoint: one LayerWeights per layer
     (linear-attention and attention layers hold different fields, so they are not stacked), in jaxspec's layout.
-    names: the checkpoint's tensor names."""
+    get: reads a tensor by its Hugging Face name; experts: layer index -> its router [E, d] and experts [E, F, d]
+    (gate, up), [E, d, F] (down) as GGUF stacks them (None for a model without experts)."""
     d, h, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
 
@@ -455,12 +469,12 @@ def _hybrid_layers(cfg: ModelConfig, raw: dict, get, names, norm_offset: float, 
             "mlp_norm": get(p + "post_attention_layernorm.weight") + norm_offset,
         }
         if cfg.num_experts:  # Qwen3.5-MoE: routed experts in jaxspec's layout, and the shared expert
-            experts = {key: read() for key, read in _hf_experts(get, names, p + "mlp.", cfg.num_experts).items()}
+            stacked = experts(i)
             fields.update(
-                router=experts["router"].T,  # [d, E]
-                expert_gate=experts["expert_gate"].swapaxes(1, 2),  # [E, d, F]
-                expert_up=experts["expert_up"].swapaxes(1, 2),
-                expert_down=experts["expert_down"].swapaxes(1, 2),  # [E, F, d]
+                router=stacked["router"].T,  # [d, E]
+                expert_gate=stacked["expert_gate"].swapaxes(1, 2),  # [E, d, F]
+                expert_up=stacked["expert_up"].swapaxes(1, 2),
+                expert_down=stacked["expert_down"].swapaxes(1, 2),  # [E, F, d]
             )
             if cfg.shared_expert_intermediate_size:
                 fields.update(

@@ -1,5 +1,5 @@
-"""Writes tests/fixtures/tiny-qwen3_5.gguf with llama.cpp's own converter, so the Qwen3.5 GGUF loader is checked
-against a file jaxspec did not write.
+"""Writes tests/fixtures/tiny-qwen3_5.gguf and tiny-qwen3_5_moe.gguf with llama.cpp's own converter, so the
+Qwen3.5 and Qwen3.5-MoE GGUF loaders are checked against files jaxspec did not write.
 
     python scripts/make_qwen35_gguf.py --converter PATH/TO/llama.cpp/convert_hf_to_gguf.py
 
@@ -7,8 +7,8 @@ Needs torch, transformers and the gguf package (not jaxspec's dependencies: an o
 make_reference.py). The fixture was made with convert_hf_to_gguf.py of ggml-org/llama.cpp at commit
 0024aa7417efd50a7c2a79e049dfbbbceb0beaaf, gguf 0.19.0, torch 2.13.0+cpu, transformers 5.25.0.
 
-The tiny folder carries no tokenizer, and the converter's Qwen3.5 class insists on a real one (it hashes the
-pre-tokenizer). The one change made here: its vocabulary step is replaced by the converter's own "no vocabulary"
+The tiny folders carry no tokenizer, and the converter's Qwen3.5 classes insist on a real one (they hash the
+pre-tokenizer). The one change made here: their vocabulary step is replaced by the converter's own "no vocabulary"
 step (tokenizer.ggml.model = "none"); every tensor goes through the converter untouched.
 """
 
@@ -31,10 +31,11 @@ def main() -> None:
     sys.modules["convert_hf_to_gguf"] = converter
     spec.loader.exec_module(converter)
     converter.Qwen3_5TextModel.set_vocab = converter.TextModel._set_vocab_none
-    out = ROOT / "tests" / "fixtures" / "tiny-qwen3_5.gguf"
-    sys.argv = [args.converter, str(ROOT / "tests" / "fixtures" / "tiny-qwen3_5"), "--outtype", "f32",
-                "--outfile", str(out)]
-    converter.main()
+    converter.Qwen3_5MoeTextModel.set_vocab = converter.TextModel._set_vocab_none
+    for name in ("tiny-qwen3_5", "tiny-qwen3_5_moe"):
+        folder = ROOT / "tests" / "fixtures" / name
+        sys.argv = [args.converter, str(folder), "--outtype", "f32", "--outfile", f"{folder}.gguf"]
+        converter.main()
 
 
 if __name__ == "__main__":

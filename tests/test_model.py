@@ -379,23 +379,24 @@ def test_qwen3_moe_gguf_equals_its_folder():
                                ref["logits"], atol=1e-4, rtol=1e-4)
 
 
-def test_qwen3_5_gguf_written_by_llama_cpp_equals_its_folder():
-    """The tiny Qwen3.5 converted by llama.cpp's own convert_hf_to_gguf.py (value heads tiled, A_log stored as
-    -exp(A_log), norms + 1, llama.cpp's tensor names; no vocabulary) loads to the folder's config, weights and
-    transformers' logits. Its full_attention_interval says 4 (the converter's default) where the layers are linear,
-    linear, attention: the layer kinds come from the tensors."""
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_gguf_written_by_llama_cpp_equals_its_folder(name):
+    """The tiny Qwen3.5 and Qwen3.5-MoE converted by llama.cpp's own convert_hf_to_gguf.py (value heads tiled, A_log
+    stored as -exp(A_log), norms + 1, experts stacked, llama.cpp's tensor names; no vocabulary) load to their
+    folder's config, weights and transformers' logits. Their full_attention_interval says 4 (the converter's
+    default) where the layers are linear, linear, attention: the layer kinds come from the tensors."""
     import dataclasses
 
     from jaxspec import load_model
 
-    folder = load_model("tests/fixtures/tiny-qwen3_5", with_tokenizer=False)
-    gguf = load_model("tests/fixtures/tiny-qwen3_5.gguf")  # a file without a vocabulary: no tokenizer, no error
+    folder = load_model(f"tests/fixtures/tiny-{name}", with_tokenizer=False)
+    gguf = load_model(f"tests/fixtures/tiny-{name}.gguf")  # a file without a vocabulary: no tokenizer, no error
     assert gguf.tokenizer is None
     assert gguf.config.rms_norm_eps == pytest.approx(folder.config.rms_norm_eps)  # stored as float32 in the file
     assert dataclasses.replace(gguf.config, rms_norm_eps=folder.config.rms_norm_eps) == folder.config
     for a, b in zip(jax.tree.leaves(gguf.weights), jax.tree.leaves(folder.weights), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # A_log through -exp and back: 6e-8
-    ref = np.load("tests/fixtures/tiny_qwen3_5_reference.npz")
+    ref = np.load(f"tests/fixtures/tiny_{name}_reference.npz")
     ids = jnp.asarray(ref["input_ids"])
     np.testing.assert_allclose(np.asarray(forward(gguf.weights, gguf.config, ids, _positions(ids)).logits),
                                ref["logits"], atol=1e-4, rtol=1e-4)
