@@ -171,6 +171,9 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
     from jaxspec.sharding import batch_sharding, cache_shardings, check_divisible, replicated, weight_shardings
 
     check_divisible(cfg, batch_size, mesh)
+    if cfg.is_hybrid and mesh.size > 1:
+        raise UserError(f"A hybrid model ({cfg.architecture}) runs on one device in jaxspec for now; plan it without "
+                        "--mesh.")
     new = max_new_tokens if max_new_tokens is not None else max(cache_length // 4, 1)
     prompt = cache_length - new
     if prompt < 1:
@@ -182,6 +185,10 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
     def abstract(dt):
         weights = jax.eval_shape(lambda k: init_weights(cfg, k, dtype=dt), jax.random.key(0))
         cache = jax.eval_shape(lambda: init_cache(cfg, batch_size, cache_length, dt))
+        if cfg.is_hybrid:  # per-layer weights and recurrent states, on the one device
+            one = replicated(mesh)
+            return (place(weights, jax.tree.map(lambda _: one, weights)),
+                    place(cache, jax.tree.map(lambda _: one, cache)))
         return place(weights, weight_shardings(weights, mesh)), place(cache, cache_shardings(cache, mesh))
 
     weights, cache = abstract(dtype)
@@ -192,7 +199,8 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
     lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=batch_sharding(mesh, 1))
     key = _abstract_key(replicated(mesh))
     compiled = generate_tokens.lower(program_weights, cfg, tokens, lengths, key, max_new_tokens=new,
-                                     cache_size=cache_length, sampling=GREEDY, eos_ids=(), mesh=mesh).compile()
+                                     cache_size=cache_length, sampling=GREEDY, eos_ids=(),
+                                     mesh=None if cfg.is_hybrid else mesh).compile()
     per_device, flops = _measure(compiled, weights, program_weights, cache_bytes=_shard_bytes(cache),
                                  optimizer_bytes=0)
     return Plan(config=cfg, mesh_shape=dict(mesh.shape), batch_size=batch_size, cache_length=cache_length,

@@ -174,3 +174,18 @@ def _child() -> None:
 if __name__ == "__main__" and "--child" in sys.argv:
     sys.path.insert(0, __import__("os").path.dirname(__file__))
     _child()
+
+
+def test_a_hybrid_model_plans_on_one_device():
+    """A Qwen3.5-MoE (per-layer weights, recurrent states in the cache) plans on one device with its weights
+    counted whole; a mesh is refused by name (hybrid models run on one device in jaxspec)."""
+    import jax
+
+    from jaxspec.plan import plan_generation
+    from jaxspec.sharding import make_mesh
+
+    cfg = plan_config("tests/fixtures/tiny-qwen3_5_moe")
+    plan = plan_generation(cfg, make_mesh(1, 1), batch_size=1, cache_length=64)
+    assert plan.per_device["weights_bytes"] == 2 * cfg.num_parameters()  # bfloat16
+    with pytest.raises(UserError, match="runs on one device"):
+        plan_generation(cfg, jax.sharding.AbstractMesh((1, 2), ("data", "model")), batch_size=1, cache_length=64)
