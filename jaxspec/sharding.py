@@ -72,6 +72,10 @@ LAYER_WEIGHT_AXES: Mapping[str, tuple[str, ...]] = {
     "expert_up": ("layers", "experts", "embed", "expert_mlp"),
     "expert_down": ("layers", "experts", "expert_mlp", "embed"),
     "wq_gate": ("layers", "embed", "heads", "head_dim"),
+    "shared_gate": ("layers", "embed", "mlp"),  # Qwen3.5-MoE's shared expert, split like a dense MLP
+    "shared_up": ("layers", "embed", "mlp"),
+    "shared_down": ("layers", "mlp", "embed"),
+    "shared_expert_gate": ("layers", "embed"),
     "lin_qkv": ("layers", "embed", "conv_channels"),
     "lin_z": ("layers", "embed", "linear_heads", "head_dim"),
     "lin_b": ("layers", "embed", "linear_heads"),
