@@ -394,6 +394,7 @@ def pipeline_generate_tokens(
     the trunk token); (cache, committed int32[B]) at the end).
     """
     n, width = drafter.num_stages, drafter.tree_width
+    check_pipeline(cfg, n, width, 1 if mesh is None else mesh.shape[STAGE])  # at trace time, before any work
     b = tokens.shape[0]
     d = cfg.hidden_size
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
