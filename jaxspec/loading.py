@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -159,10 +160,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bo
         from jaxspec.tokenizer import load_tokenizer, tokenizer_from_gguf
 
         try:
-            if reader is not None and reader.get("tokenizer.ggml.model") == "none":
-                raise FileNotFoundError  # a GGUF written without a vocabulary (tokenizer.ggml.model "none")
-            tokenizer = load_tokenizer(path) if reader is None else tokenizer_from_gguf(reader)
-        except FileNotFoundError:  # a weights-only folder or file: the model runs on token ids
+            if reader is None:
+                tokenizer = load_tokenizer(path)
+            elif reader.get("tokenizer.ggml.model") != "none":  # "none": a GGUF written without a vocabulary
+                tokenizer = tokenizer_from_gguf(reader)
+        except FileNotFoundError:  # a weights-only folder: the model runs on token ids
             tokenizer = None
         except ValueError as e:
             raise UserError(str(e)) from None
@@ -277,8 +279,6 @@ def _gguf_as_hf(cfg: ModelConfig, get):
     - names follow llama.cpp (attn_qkv, attn_gate, ssm_*; the MLP norm is post_attention_norm); norms already hold
       their + 1 (the gated norm inside the linear layer has none, in both).
     The attention layers' q_proj (query and output gate interleaved per head) is stored as it is."""
-    import re
-
     k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qk = 2 * k_heads * dk  # the conv's q and k channels, ahead of its V

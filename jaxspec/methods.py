@@ -289,7 +289,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
 def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
     """PPSD (training-free early exit) or SPD (a trained pipeline drafter) with --num-stages on --stage-devices."""
     from jaxspec.drafters.ppsd import EarlyExitPipelineDrafter
-    from jaxspec.pipeline import check_num_stages, check_pipeline, stage_mesh
+    from jaxspec.pipeline import check_pipeline, stage_mesh
     from jaxspec.sharding import replicate_on_mesh
 
     name = spec.name
@@ -301,13 +301,11 @@ def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOption
         if n is None:  # 5 when it divides the layers, else the smallest divisor >= 2
             divisors = [d for d in range(2, cfg.num_layers + 1) if cfg.num_layers % d == 0]
             n = 5 if 5 in divisors else min(divisors)
-        check_num_stages(cfg, n)
         drafter, params = EarlyExitPipelineDrafter(num_stages=n, tree_width=width), None
     else:
         drafter, params = load_learned_drafter(name, target, options.drafter, options)
         drafter = dataclasses.replace(drafter, tree_width=width)
         if options.num_stages is not None:
-            check_num_stages(cfg, options.num_stages)
             drafter = dataclasses.replace(drafter, num_stages=options.num_stages)
         drafter.check_compatible(params, cfg)
     check_pipeline(cfg, drafter.num_stages, width, options.stage_devices)

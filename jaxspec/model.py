@@ -438,20 +438,24 @@ def _feature_major_layer(cfg: ModelConfig, inv_freq, x, lw: FeatureMajorLayer, c
     return (xt + out).T.reshape(b, t, d), new_k, new_v
 
 
+def _gated_mlp(cfg: ModelConfig, hx: jax.Array, w_gate, w_up, w_down, rowwise: bool = False) -> jax.Array:
+    """act(hx w_gate) * (hx w_up), then w_down: the dense MLP and Qwen3.5-MoE's shared expert. hx: [B, T, d];
+    w_gate, w_up: [d, f]; w_down: [f, d]. Returns [B, T, d] (this device's part when f is split over a mesh)."""
+    gate = _rowwise("btd,df->btf", hx, w_gate, rowwise)
+    up = _rowwise("btd,df->btf", hx, w_up, rowwise)
+    return _rowwise("btf,fd->btd", _activation(cfg, gate) * up, w_down, rowwise)
+
+
 def _mlp_block(cfg: ModelConfig, x: jax.Array, lw: LayerWeights, model_axis=None, rowwise: bool = False):
     """The second half of a layer: x [B, T, d] plus the MLP (or the experts) of its norm. Returns [B, T, d]."""
     hx = rms_norm(x, lw.mlp_norm, cfg.rms_norm_eps)
     if lw.router is not None:
         out = _sum_shards(mixture_of_experts(cfg, hx, lw, model_axis), model_axis)
         if lw.shared_down is not None:  # Qwen3.5-MoE (hybrid targets run on one device: no model axis here)
-            shared = _activation(cfg, jnp.einsum("btd,df->btf", hx, lw.shared_gate)) * jnp.einsum(
-                "btd,df->btf", hx, lw.shared_up)  # [B, T, Fs]
             scale = jax.nn.sigmoid(jnp.einsum("btd,d->bt", hx, lw.shared_expert_gate))[..., None]  # [B, T, 1]
-            out = out + scale * jnp.einsum("btf,fd->btd", shared, lw.shared_down)
+            out = out + scale * _gated_mlp(cfg, hx, lw.shared_gate, lw.shared_up, lw.shared_down, rowwise)
     else:
-        gate = _rowwise("btd,df->btf", hx, lw.w_gate, rowwise)
-        up = _rowwise("btd,df->btf", hx, lw.w_up, rowwise)
-        out = _sum_shards(_rowwise("btf,fd->btd", _activation(cfg, gate) * up, lw.w_down, rowwise), model_axis)
+        out = _sum_shards(_gated_mlp(cfg, hx, lw.w_gate, lw.w_up, lw.w_down, rowwise), model_axis)
     if lw.post_mlp_norm is not None:
         out = rms_norm(out, lw.post_mlp_norm, cfg.rms_norm_eps)
     return x + out
