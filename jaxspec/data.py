@@ -156,6 +156,36 @@ def load_sharegpt_prompts(limit: int | None = None, min_chars: int = 16, max_cha
     return prompts
 
 
+# Keyword rules for the topics `jaxspec regenerate --topics` selects: prompts that ask for code (a language, a code
+# block, a definition) or for arithmetic and mathematics. The evaluation sets (HumanEval, GSM8K) stay out of the
+# training data, so a drafter meant for code and math learns those from the ShareGPT prompts that ask for them.
+# Rules, not a classifier: a prompt may match both or be misjudged; what matters is the mix of the selection.
+PROMPT_TOPICS = {
+    "code": re.compile(
+        r"```|\bdef \w+\(|\bfunction\b|\bpython\b|\bjavascript\b|\btypescript\b|\bjava\b|\bc\+\+|\bc#|\bsql\b|"
+        r"\bcode\b|\bscript\b|\bprogram\b|\bimport \w+|\bclass \w+|\breact\b|\bhtml\b|\bcss\b|\bapi\b|\balgorithm\b|"
+        r"\bregex\b|\bbash\b|\brust\b|\bgolang\b|[{};]\s*\n", re.IGNORECASE),
+    "math": re.compile(
+        r"\bcalculate\b|\bhow (many|much)\b.*\d|\bequation|\bmath|\bprobability\b|\bpercent|\d\s*[-+*/x×=^]\s*\d|"
+        r"\bsum of\b|\baverage\b|\bintegral\b|\bderivative\b|\bprove\b|\bfraction|\balgebra|\bgeometry\b|"
+        r"\barithmetic\b", re.IGNORECASE | re.DOTALL),
+}
+
+
+def select_topics(prompts: Sequence[str], topics: Sequence[str]) -> list[int]:
+    """Indices of the prompts that match any of `topics` (names in `PROMPT_TOPICS`), in order.
+
+    Raises:
+        UserError: an unknown topic (the message lists the known ones).
+    """
+    unknown = [t for t in topics if t not in PROMPT_TOPICS]
+    if unknown or not topics:
+        raise UserError(f"Unknown topic '{unknown[0] if unknown else ''}'; the topics are "
+                        f"{', '.join(PROMPT_TOPICS)} (comma-separated).")
+    patterns = [PROMPT_TOPICS[t] for t in topics]
+    return [i for i, text in enumerate(prompts) if any(p.search(text) for p in patterns)]
+
+
 # ---------------------------------------------------------------------------------------------- file helpers
 
 
@@ -288,6 +318,7 @@ def regenerate_ids(
     on_shard: Callable[[int, dict], None] | None = None,
     feature_layers: Sequence[int] = (),
     first_prompt: int = 0,
+    source_indices: Sequence[int] | None = None,
 ) -> dict:
     """Answers already-tokenized prompts with the target and writes shards plus a manifest to `out_dir`.
 
@@ -319,6 +350,8 @@ def regenerate_ids(
         first_prompt: The index of `prompt_ids[0]` in the whole prompt list when these prompts are a later part of
             it (`jaxspec regenerate --first-prompt`): added to every sample's `source_index`, so that indices stay
             those of the whole list and data folders made from different parts never share one.
+        source_indices: The index of each prompt in the whole prompt list when these prompts are a selection from
+            it (`jaxspec regenerate --topics`; increasing, one per prompt); replaces `first_prompt + i`.
 
     Returns:
         The final manifest (also in `out_dir/manifest.json`).
@@ -341,6 +374,12 @@ def regenerate_ids(
     if bad:
         raise UserError(f"feature layer {bad[0]} is not a layer of the target (0 to {target.config.num_layers - 1}).")
     prompt_ids = [list(map(int, p)) for p in prompt_ids]
+    if source_indices is None:
+        source_indices = first_prompt + np.arange(len(prompt_ids), dtype=np.int64)  # [P]
+    source_indices = np.asarray(source_indices, np.int64)  # [P]: each prompt's index in the whole prompt list
+    if source_indices.shape != (len(prompt_ids),) or np.any(np.diff(source_indices) <= 0):
+        raise UserError(f"source_indices must give one increasing index per prompt ({len(prompt_ids)}), got "
+                        f"{len(source_indices)}.")
     kept = [i for i, p in enumerate(prompt_ids) if 0 < len(p) <= max_prompt_tokens]
     if not kept:
         raise UserError(f"No prompt has between 1 and max_prompt_tokens={max_prompt_tokens} tokens; raise the limit.")
@@ -420,7 +459,7 @@ def regenerate_ids(
             for k, response, fed in continuous_generate(
                     target.weights, target.config, [prompt_ids[i] for _, i in stream], max_new_tokens=max_new_tokens,
                     batch_size=batch_size, sampling=sampling, seed=seed, hidden_layers=tuple(feature_layers),
-                    sample_ids=[first_prompt + i for _, i in stream]):
+                    sample_ids=[int(source_indices[i]) for _, i in stream]):
                 s, i = stream[k]
                 answers[s][i] = (response, fed)
                 on_batch(1, len(response))
@@ -429,7 +468,7 @@ def regenerate_ids(
                 source = np.array(shard_prompts[s], np.int64)  # [N]
                 done = answers.pop(s)
                 arrays = _shard_arrays([prompt_ids[i] for i in source], [done[i] for i in source])
-                arrays["source_index"] = first_prompt + source  # indices in the whole prompt list
+                arrays["source_index"] = source_indices[source]  # indices in the whole prompt list
                 features = arrays.pop("features", None)
                 name = SHARD_PATTERN.format(s)
                 path = os.path.join(out_dir, name)
@@ -522,6 +561,7 @@ def regenerate(
     on_shard: Callable[[int, dict], None] | None = None,
     feature_layers: Sequence[int] = (),
     first_prompt: int = 0,
+    source_indices: Sequence[int] | None = None,
 ) -> dict:
     """Answers text prompts with the target through its chat template; writes shards and a manifest.
 
@@ -546,7 +586,7 @@ def regenerate(
                           max_new_tokens=max_new_tokens, batch_size=batch_size, shard_size=shard_size,
                           sampling=sampling, seed=seed, progress=progress, prompt_source=prompt_source,
                           tokenizer=tokenizer_info(target.tokenizer), on_shard=on_shard,
-                          feature_layers=feature_layers, first_prompt=first_prompt)
+                          feature_layers=feature_layers, first_prompt=first_prompt, source_indices=source_indices)
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -568,10 +608,12 @@ def loss_mask(prompt_lengths: np.ndarray, lengths: np.ndarray, seq_len: int) -> 
 
 @dataclasses.dataclass
 class RegeneratedDataset:
-    """The samples of a regeneration folder, held in memory, served as shuffled fixed-shape batches.
+    """The samples of one or more regeneration folders, held in memory, served as shuffled fixed-shape batches.
 
     Args:
-        path: The folder `regenerate` wrote.
+        path: The folder `regenerate` wrote, or several separated by commas (for example a general set and a
+            code-and-math set); they must come from the same target and save the same feature layers. Samples are
+            numbered folder after folder, so the held-out samples (the last ones) come from the last folder.
         require_complete: Refuse a run that has not finished (default: use its finished shards, with a warning).
         verify: Check every shard's sha256 against the manifest.
     """
@@ -581,31 +623,36 @@ class RegeneratedDataset:
     verify: bool = True
 
     def __post_init__(self):
-        manifest = _read_manifest(self.path)
-        if manifest is None:
-            raise UserError(f"'{self.path}' has no {MANIFEST}; point to a folder written by `jaxspec regenerate`.")
-        if not manifest.get("complete"):
-            if self.require_complete or not manifest.get("shards"):
-                raise UserError(f"The regeneration in '{self.path}' has not finished; rerun it to complete it.")
-            warnings.warn(f"The regeneration in '{self.path}' has not finished; using its "
-                          f"{len(manifest['shards'])} finished shards.", stacklevel=2)
-        chunks, prompt_lengths, lengths, source = [], [], [], []
-        for name, entry in sorted(manifest["shards"].items()):
-            file = os.path.join(self.path, name)
-            if not os.path.isfile(file):
-                raise UserError(f"The shard '{file}' is missing; rerun the regeneration in that folder to rewrite it.")
-            if self.verify and file_sha256(file) != entry["sha256"]:
-                raise UserError(f"The shard '{file}' is corrupt; rerun the regeneration in that folder to rewrite it.")
-            with np.load(file) as z:
-                tokens, lens = z["tokens"], z["lengths"]  # [N, W], [N]
-                chunks.extend(tokens[r, : lens[r]] for r in range(len(lens)))
-                prompt_lengths.append(z["prompt_lengths"])
-                lengths.append(lens)
-                source.append(z["source_index"])
-        self.manifest = manifest
-        self.feature_layers = tuple(manifest.get("generation", {}).get("feature_layers", ()))
+        folders = [f.strip() for f in self.path.split(",") if f.strip()]
+        if not folders:
+            raise UserError("No data folder given; point to a folder written by `jaxspec regenerate`.")
+        chunks, prompt_lengths, lengths, source, files = [], [], [], [], []
+        self.manifests = []
+        for folder in folders:
+            manifest = self._read_folder(folder)
+            for name in sorted(manifest["shards"]):
+                with np.load(os.path.join(folder, name)) as z:
+                    tokens, lens = z["tokens"], z["lengths"]  # [N, W], [N]
+                    chunks.extend(tokens[r, : lens[r]] for r in range(len(lens)))
+                    prompt_lengths.append(z["prompt_lengths"])
+                    lengths.append(lens)
+                    source.append(z["source_index"])
+                files.append(os.path.join(folder, name + FEATURES_SUFFIX))
+            self.manifests.append(manifest)
+        first = self.manifests[0]
+        for folder, manifest in zip(folders[1:], self.manifests[1:], strict=True):
+            if manifest["target_fingerprint"] != first["target_fingerprint"]:
+                raise UserError(f"'{folder}' was generated by another target than '{folders[0]}' (fingerprints "
+                                f"{manifest['target_fingerprint']} and {first['target_fingerprint']}); train on "
+                                "folders of one target.")
+            theirs, ours = (m.get("generation", {}).get("feature_layers", []) for m in (manifest, first))
+            if theirs != ours:
+                raise UserError(f"'{folder}' saved features of layers {theirs} and '{folders[0]}' of {ours}; "
+                                "combine folders regenerated with the same --feature-layers.")
+        self.manifest = first
+        self.feature_layers = tuple(first.get("generation", {}).get("feature_layers", ()))
         # per sample: which shard's feature file and where its columns start there
-        self._feature_files = [os.path.join(self.path, name + FEATURES_SUFFIX) for name in sorted(manifest["shards"])]
+        self._feature_files = files
         self._feature_maps: dict[int, np.ndarray] = {}
         self._feature_shard = np.concatenate([np.full(len(x), i, np.int32) for i, x in enumerate(lengths)])  # [N]
         self._feature_start = np.concatenate([np.cumsum(x, dtype=np.int64) - x for x in lengths])  # [N]
@@ -614,6 +661,24 @@ class RegeneratedDataset:
         self.source_index = np.concatenate(source).astype(np.int64)  # [N]
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])  # [N + 1]
         self.flat = np.concatenate(chunks).astype(np.int32)  # [sum(lengths)]: every sample back to back
+
+    def _read_folder(self, folder: str) -> dict:
+        """The manifest of one folder, its finished shards checked (present; sha256 when `verify`)."""
+        manifest = _read_manifest(folder)
+        if manifest is None:
+            raise UserError(f"'{folder}' has no {MANIFEST}; point to a folder written by `jaxspec regenerate`.")
+        if not manifest.get("complete"):
+            if self.require_complete or not manifest.get("shards"):
+                raise UserError(f"The regeneration in '{folder}' has not finished; rerun it to complete it.")
+            warnings.warn(f"The regeneration in '{folder}' has not finished; using its "
+                          f"{len(manifest['shards'])} finished shards.", stacklevel=3)
+        for name, entry in sorted(manifest["shards"].items()):
+            file = os.path.join(folder, name)
+            if not os.path.isfile(file):
+                raise UserError(f"The shard '{file}' is missing; rerun the regeneration in that folder to rewrite it.")
+            if self.verify and file_sha256(file) != entry["sha256"]:
+                raise UserError(f"The shard '{file}' is corrupt; rerun the regeneration in that folder to rewrite it.")
+        return manifest
 
     @property
     def num_samples(self) -> int:

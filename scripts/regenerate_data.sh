@@ -6,19 +6,24 @@
 # on an AMD EPYC; on the Intel Xeon of 2026-12-04 a batch-64 step took 281 ms per-layer against 295 ms stacked).
 #
 # Runs in the background at low priority and resumes where it stopped: rerun the same command after any
-# interruption (finished shards are kept, checked by sha256). Progress: tail -f logs/regenerate.log; the counts
+# interruption (finished shards are kept, checked by sha256). Progress: tail -f logs/regenerate-FOLDER.log; the counts
 # (samples, response tokens, disk bytes) are in data/regen-smollm2-135m-b64/manifest.json.
 #
 #   bash scripts/regenerate_data.sh            # start or resume in the background
 #   bash scripts/regenerate_data.sh --wait     # the same in the foreground
+#
+# The code-and-math set (issue 16: the evaluation sets ask for code and arithmetic, most ShareGPT prompts do not):
+# the ShareGPT prompts from 2916 on (past the first folder's shards 0-32) that ask for code or math, in its own folder:
+#   OUT=data/regen-smollm2-135m-codemath FIRST_PROMPT=2916 TOPICS=code,math bash scripts/regenerate_data.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-data/regen-smollm2-135m-b64}
 mkdir -p logs
 CMD=(nice -n 19 .venv/bin/jaxspec regenerate --out "$OUT" --max-prompt-tokens 128 --max-new-tokens 256
-     --batch-size 64 --shard-size 64 --layers auto --feature-layers 2,15,27,29)
+     --batch-size 64 --shard-size 64 --layers auto --feature-layers 2,15,27,29
+     --first-prompt "${FIRST_PROMPT:-0}" --topics "${TOPICS:-all}")
 if [[ "${1:-}" == "--wait" ]]; then
     exec "${CMD[@]}"
 fi
-nohup "${CMD[@]}" >> logs/regenerate.log 2>&1 &
-echo "regenerating in the background (pid $!): tail -f logs/regenerate.log"
+nohup "${CMD[@]}" >> "logs/regenerate-$(basename "$OUT").log" 2>&1 &
+echo "regenerating in the background (pid $!): tail -f logs/regenerate-$(basename "$OUT").log"

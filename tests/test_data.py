@@ -344,6 +344,67 @@ def test_a_later_part_of_the_prompts_keeps_the_whole_lists_indices(target, greed
     assert json.load(open(tmp_path / MANIFEST))["prompts"]["first"] == first
 
 
+def test_a_topic_selection_keeps_the_whole_lists_indices(target, greedy_dir, tmp_path):
+    """`source_indices` (`jaxspec regenerate --topics`): a folder made from a selection of the prompts holds the same
+    answers as the whole run under the selected prompts' indices; indices that do not increase are refused."""
+    chosen = [1, 4, 5, 8, 9]
+    prompts = _prompts()
+    regenerate_ids(target, [prompts[i] for i in chosen], str(tmp_path), max_prompt_tokens=MAX_PROMPT,
+                   max_new_tokens=MAX_NEW, batch_size=BATCH, shard_size=SHARD, progress=False, source_indices=chosen)
+    whole = {int(i): (z["tokens"][row, :z["lengths"][row]].tolist())
+             for z in _shards(greedy_dir).values() for row, i in enumerate(z["source_index"])}
+    part = {int(i): (z["tokens"][row, :z["lengths"][row]].tolist())
+            for z in _shards(tmp_path).values() for row, i in enumerate(z["source_index"])}
+    assert sorted(part) == chosen
+    assert part == {i: whole[i] for i in chosen}
+    with pytest.raises(UserError, match="increasing index per prompt"):
+        regenerate_ids(target, prompts[:2], str(tmp_path / "bad"), source_indices=[3, 3], progress=False)
+
+
+def test_topic_rules_pick_code_and_math_prompts():
+    from jaxspec.data import select_topics
+
+    prompts = ["Write a Python function that reverses a list.", "What is the capital of France?",
+               "If a train travels 60 miles in 1.5 hours, how many miles does it travel in 4 hours?",
+               "Tell me a story about a dragon.", "Fix this:\n```\nint main() { return 0 }\n```",
+               "Calculate 17 * 23 for me."]
+    assert select_topics(prompts, ["code"]) == [0, 4]
+    assert select_topics(prompts, ["math"]) == [2, 5]
+    assert select_topics(prompts, ["code", "math"]) == [0, 2, 4, 5]
+    with pytest.raises(UserError, match="the topics are code, math"):
+        select_topics(prompts, ["poetry"])
+
+
+def test_several_folders_read_as_one_dataset(target, tmp_path):
+    """data.path "A,B": the samples of both folders in order, each with its own features; folders of another target
+    or other feature layers are refused by name."""
+    layers = (0, target.config.num_layers - 1)
+    prompts = _prompts()
+    common = dict(max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW, batch_size=BATCH, shard_size=SHARD,
+                  progress=False, feature_layers=layers)
+    regenerate_ids(target, prompts[:5], str(tmp_path / "a"), **common)
+    regenerate_ids(target, prompts[5:], str(tmp_path / "b"), first_prompt=5, **common)
+    a, b = RegeneratedDataset(str(tmp_path / "a")), RegeneratedDataset(str(tmp_path / "b"))
+    both = RegeneratedDataset(f"{tmp_path / 'a'}, {tmp_path / 'b'}")
+    assert both.num_samples == a.num_samples + b.num_samples == len(KEPT)
+    assert both.source_index.tolist() == KEPT
+    seq_len = int(both.lengths.max())
+    parts = [(a, i) for i in range(a.num_samples)] + [(b, i) for i in range(b.num_samples)]
+    for i, (part, j) in enumerate(parts):
+        np.testing.assert_array_equal(both.sample(i), part.sample(j))
+        np.testing.assert_array_equal(both.features([i], layers, seq_len), part.features([j], layers, seq_len))
+    assert both.held_out_prompts(2) == b.held_out_prompts(2)
+
+    regenerate_ids(target, prompts[5:], str(tmp_path / "c"), first_prompt=5, **{**common, "feature_layers": (0,)})
+    with pytest.raises(UserError, match="same --feature-layers"):
+        RegeneratedDataset(f"{tmp_path / 'a'},{tmp_path / 'c'}")
+    other = json.load(open(tmp_path / "b" / MANIFEST))
+    other["target_fingerprint"] = "another"
+    json.dump(other, open(tmp_path / "b" / MANIFEST, "w"))
+    with pytest.raises(UserError, match="another target"):
+        RegeneratedDataset(f"{tmp_path / 'a'},{tmp_path / 'b'}")
+
+
 @pytest.mark.parametrize("faster", ["stacked", "unstacked"])
 def test_fastest_layout_picks_the_layout_that_decodes_faster(target, monkeypatch, faster):
     """`jaxspec regenerate --layers auto`: the layout whose measured step (prefill subtracted) is shorter, with the

