@@ -32,6 +32,10 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                         "eagle2/eagle3: the tree depth, default the drafter's)")
     p.add_argument("--tree-nodes", type=int, default=None,
                    help="eagle2, eagle3: drafted nodes verified per round (N of the dynamic tree)")
+    p.add_argument("--lookup-tokens", type=int, default=None,
+                   help="eagle2, eagle3: merge a prompt-lookup chain of this many tokens into the head's tree (the "
+                        "text's own repeats drafted beside the head's guesses; 0: none); default: --budget auto "
+                        "chooses, with the tree")
     p.add_argument("--tree-width", type=int, default=None,
                    help="draft-model, early-exit: top-W siblings at every depth (W x depth nodes, default 1); "
                         "eagle2/eagle3: children per expanded node (top_k); ppsd/spd: the drafted token and its "
@@ -65,7 +69,8 @@ def method_options(args):
     from jaxspec.methods import MethodOptions
 
     return MethodOptions(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                         tree_width=args.tree_width, tree_nodes=args.tree_nodes, ngram=args.ngram,
+                         tree_width=args.tree_width, tree_nodes=args.tree_nodes,
+                         lookup_tokens=getattr(args, "lookup_tokens", None), ngram=args.ngram,
                          exit_layer=args.exit_layer, drafter=args.drafter,
                          budget=getattr(args, "budget", None), refresh_steps=getattr(args, "refresh_steps", None),
                          num_stages=getattr(args, "num_stages", None), stage_devices=getattr(args, "stage_devices", 1),

@@ -193,6 +193,9 @@ def _label(method: Method, batch_size: int = 1) -> str:
     budgeted = hasattr(method.drafter, "budget")  # DFlash / DDTree / JetSpec: always name the budget
     if nodes is not None and (budgeted or nodes != method_k(method, batch_size) * method_width(method)):
         label += f" N={nodes}"
+    lookup = getattr(method.drafter_for_batch(batch_size), "lookup_depth", 0)
+    if lookup:  # EAGLE with a prompt-lookup chain merged in: N counts its nodes too
+        label += f" L={lookup}"
     return label
 
 

@@ -413,33 +413,47 @@ def format_budget_table(rows: list[dict]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
-    """An EAGLE-2 dynamic tree: `depth` head forwards, `top_k` children per expanded node, `num_nodes` verified.
+    """An EAGLE-2 dynamic tree: `depth` head forwards, `top_k` children per expanded node, `num_nodes` of the head's
+    nodes verified, and a prompt-lookup chain of `lookup` tokens merged in (`jaxspec.tree.merge_chain`; 0: none).
 
     A chain is top_k = 1, num_nodes = depth. A depth-2 tree with num_nodes = top_k + top_k**2 keeps every node
     EAGLE-2's expansion makes, so the target's path is in it exactly when its first two tokens rank below top_k.
+    A round verifies num_nodes + lookup drafted tokens.
     """
 
     depth: int
     top_k: int
     num_nodes: int
+    lookup: int = 0
+
+    @property
+    def verified_nodes(self) -> int:
+        return self.num_nodes + self.lookup
 
 
 # Chains of 1 to 6 tokens (small rounds win where verifying many tokens is dear: CPUs) and full depth-2 trees of 2,
-# 3 and 4 children per node (wide rounds win where extra tokens are nearly free: accelerators at small batches).
-TREE_SHAPES = tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(2, k, k + k * k) for k in (2, 3, 4))
+# 3 and 4 children per node (wide rounds win where extra tokens are nearly free: accelerators at small batches);
+# then short chains and small trees with a prompt-lookup chain merged in (it drafts the text's own repeats: code,
+# lists, worked arithmetic), which costs no head forward, only the verified tokens.
+HEAD_SHAPES = tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(2, k, k + k * k) for k in (2, 3, 4))
+TREE_SHAPES = HEAD_SHAPES + tuple(TreeShape(d, 1, d, lookup) for d in range(1, 5) for lookup in (3, 5)) + tuple(
+    TreeShape(2, k, k + k * k, 4) for k in (2, 3))
 
 
-# Token counts (nodes + 1) of the TREE_SHAPES, measured for the EAGLE cost model.
-EAGLE_TOKEN_COUNTS = tuple(sorted({1} | {s.num_nodes + 1 for s in TREE_SHAPES} - {6}))  # 6: interpolated
+# Token counts (nodes + 1) of the head-only shapes, measured for the EAGLE cost model (the others interpolated).
+EAGLE_TOKEN_COUNTS = tuple(sorted({1} | {s.num_nodes + 1 for s in HEAD_SHAPES} - {6}))  # 6: interpolated
 
 
-def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape) -> float:
+def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: np.ndarray | None = None) -> float:
     """Expected tokens a round yields (accepted drafts + the bonus) at T=0, from the drafter's measured ranks.
 
     ranks: int[P, D]: at P positions of text the target generated, the rank of the target's own next token at depth
     j + 1 among the head's candidates when the head is fed the true tokens before it (teacher forcing along the
     target's path, which is exactly what a round drafts for as long as its drafts are accepted); a large value where
     the token is outside the draft vocabulary or the text ends. D must be at least the shape's depth.
+    lookup_runs: int[P], at the same positions, how many leading tokens of the prompt-lookup chain equal the text's
+    (`jaxspec.drafters.prompt_lookup.lookup_runs`); needed when shape.lookup > 0. The merged tree holds both paths,
+    so a round keeps the longer.
 
     A chain keeps depth j's draft iff ranks 1..j are all 0; a full depth-2 tree iff they are all below top_k. Other
     shapes are not exact under this model and are refused.
@@ -454,15 +468,22 @@ def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape) -> float:
         raise UserError(f"{shape} is neither a chain nor a full depth-2 tree; its acceptance is not modelled.")
     inside = ranks[:, : shape.depth] < shape.top_k  # [P, depth]
     accepted = np.cumprod(inside, axis=1).sum(axis=1)  # [P]: drafts kept before the first miss
+    if shape.lookup:
+        if lookup_runs is None or np.shape(lookup_runs) != (len(ranks),):
+            raise UserError(f"{shape} merges a prompt-lookup chain: its acceptance needs the lookup runs measured at "
+                            f"the ranks' {len(ranks)} positions.")
+        accepted = np.maximum(accepted, np.minimum(np.asarray(lookup_runs), shape.lookup))  # [P]
     return 1.0 + float(accepted.mean())
 
 
 def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: Callable[[int, TreeShape], float],
-                shapes: Sequence[TreeShape] = TREE_SHAPES) -> tuple[TreeShape, list[dict]]:
+                shapes: Sequence[TreeShape] = TREE_SHAPES,
+                lookup_runs: np.ndarray | None = None) -> tuple[TreeShape, list[dict]]:
     """The EAGLE tree shape with the highest expected throughput at this batch size, and the table behind it.
 
     throughput = batch * tau(shape) / (cost.verify_seconds(batch, nodes + 1) + draft_seconds(batch, shape)), with
-    tau from the drafter's measured ranks (`expected_tokens_per_round`). Each row also gives the expected speedup
+    tau from the drafter's measured ranks and, for shapes with a prompt-lookup chain, the measured `lookup_runs`
+    (`expected_tokens_per_round`; without them those shapes are left out). Each row also gives the expected speedup
     over plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s).
 
     Returns:
@@ -473,11 +494,15 @@ def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: C
         raise UserError(f"The batch size must be at least 1 to choose a tree; got {batch}.")
     if not shapes:
         raise UserError("No candidate tree shapes were given.")
+    if lookup_runs is None:
+        shapes = [s for s in shapes if not s.lookup]
+        if not shapes:
+            raise UserError("Every candidate shape merges a prompt-lookup chain, and no lookup runs were measured.")
     plain = batch / cost.verify_seconds(batch, 1)
     rows = []
     for shape in shapes:
-        tau = expected_tokens_per_round(ranks, shape)
-        verify = cost.verify_seconds(batch, shape.num_nodes + 1)
+        tau = expected_tokens_per_round(ranks, shape, lookup_runs)
+        verify = cost.verify_seconds(batch, shape.verified_nodes + 1)
         draft = float(draft_seconds(batch, shape))
         speed = batch * tau / (verify + draft)
         rows.append({"shape": shape, "tau": tau, "verify_seconds": verify, "draft_seconds": draft,
@@ -492,12 +517,12 @@ def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: C
 
 def format_tree_table(rows: list[dict]) -> str:
     """A plain-text table of `choose_tree`'s rows, the chosen one marked with '*'."""
-    lines = [f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'tau':>6} {'verify ms':>10} {'draft ms':>9} {'tokens/s':>9} "
-             f"{'speedup':>8}"]
+    lines = [f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'lookup':>6} {'tau':>6} {'verify ms':>10} {'draft ms':>9} "
+             f"{'tokens/s':>9} {'speedup':>8}"]
     for row in rows:
         s = row["shape"]
         mark = "  *" if row["chosen"] else ""
-        lines.append(f"{s.depth:>5} {s.top_k:>5} {s.num_nodes:>5} {row['tau']:>6.2f} "
+        lines.append(f"{s.depth:>5} {s.top_k:>5} {s.num_nodes:>5} {s.lookup:>6} {row['tau']:>6.2f} "
                      f"{row['verify_seconds'] * 1e3:>10.2f} {row['draft_seconds'] * 1e3:>9.2f} "
                      f"{row['tokens_per_second']:>9.1f} {row['speedup']:>7.2f}x{mark}")
     return "\n".join(lines)

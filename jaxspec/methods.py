@@ -35,6 +35,7 @@ class MethodOptions:
     tree_width: int | None = None  # W top-k siblings per depth (draft-model, early-exit: T = K * W nodes, default 1);
     # eagle2/eagle3: top_k, the children per expanded node
     tree_nodes: int | None = None  # eagle2/eagle3: N, the drafted nodes verified per round
+    lookup_tokens: int | None = None  # eagle2/eagle3: a prompt-lookup chain of this many tokens merged into the tree
     ngram: int = 3  # prompt-lookup: longest n-gram matched
     exit_layer: int | None = None  # early-exit: layers used to draft
     drafter: str | None = None  # learned methods: a drafter checkpoint folder, or "untrained"
@@ -47,7 +48,7 @@ class MethodOptions:
     @property
     def tree_by_hand(self) -> bool:
         """Whether the user gave the tree's shape (--num-draft-tokens, --tree-width or --tree-nodes)."""
-        return (self.num_draft_tokens, self.tree_width, self.tree_nodes) != (None, None, None)
+        return (self.num_draft_tokens, self.tree_width, self.tree_nodes, self.lookup_tokens) != (None,) * 4
 
 
 def _given(options: MethodOptions, field: str) -> bool:
@@ -68,6 +69,9 @@ class Method:
     # eagle2/eagle3 with --budget auto (their default): the head's measured draft ranks along text the target
     # generated, int[P, D] (jaxspec.drafters.eagle.draft_ranks), from which each tree shape's tau follows
     tree_ranks: Any = None
+    # and how many tokens of a prompt-lookup chain the target keeps at the same positions, int[P]
+    # (jaxspec.drafters.prompt_lookup.lookup_runs), for the shapes that merge one into the tree
+    lookup_runs: Any = None
     # the device mesh: a (data, model) mesh for every method given --mesh; for ppsd/spd the 'stage' mesh of
     # --stage-devices. None: one device.
     mesh: Any = None
@@ -84,7 +88,8 @@ class Method:
             return self.drafter
         if self.tree_ranks is not None:
             shape = self.auto_tree(batch)[0]
-            return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k, num_nodes=shape.num_nodes)
+            return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k,
+                                       num_nodes=shape.verified_nodes, lookup_depth=shape.lookup)
         return dataclasses.replace(self.drafter, budget=self.auto_budget(batch)[0])
 
     def auto_tree(self, batch: int):
@@ -104,7 +109,7 @@ class Method:
             absorb = cost.verify_seconds(rows, shape.num_nodes + 1)  # the head over the last round's pairs
             return (steps + absorb) / layers
 
-        return choose_tree(cost, batch, self.tree_ranks, draft_seconds)
+        return choose_tree(cost, batch, self.tree_ranks, draft_seconds, lookup_runs=self.lookup_runs)
 
     def auto_table(self, batch: int) -> tuple[str, str, list[dict]]:
         """(what was chosen, the table as text, its rows) of --budget auto at this batch size."""
@@ -112,8 +117,9 @@ class Method:
 
         if self.tree_ranks is not None:
             shape, rows = self.auto_tree(batch)
-            return (f"depth {shape.depth}, top_k {shape.top_k}, {shape.num_nodes} nodes", format_tree_table(rows),
-                    [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows])
+            lookup = f" + a prompt-lookup chain of {shape.lookup}" if shape.lookup else ""
+            chosen = f"depth {shape.depth}, top_k {shape.top_k}, {shape.num_nodes} nodes{lookup}"
+            return chosen, format_tree_table(rows), [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows]
         budget, rows = self.auto_budget(batch)
         return f"budget {budget}", format_budget_table(rows), rows
 
@@ -202,6 +208,8 @@ def check_method_options(name: str, options: MethodOptions) -> None:
         raise UserError(f"--tree-width must be at least 1, got {options.tree_width}.")
     if options.num_draft_tokens is not None and options.num_draft_tokens < 1:
         raise UserError(f"--num-draft-tokens must be at least 1, got {options.num_draft_tokens}.")
+    if options.lookup_tokens is not None and options.lookup_tokens < 0:
+        raise UserError(f"--lookup-tokens must be 0 or more, got {options.lookup_tokens}.")
     if options.stage_devices < 1:
         raise UserError(f"--stage-devices must be at least 1, got {options.stage_devices}.")
     if options.ngram < 1:
@@ -214,10 +222,10 @@ def check_method_options(name: str, options: MethodOptions) -> None:
     if spec.auto == "tree":
         if options.budget not in (None, "auto"):
             raise UserError(f"{name} takes --budget auto (the default) or its tree by hand with --num-draft-tokens, "
-                            "--tree-width and --tree-nodes, not a number.")
+                            "--tree-width, --tree-nodes and --lookup-tokens, not a number.")
         if options.budget == "auto" and options.tree_by_hand:
             raise UserError(f"{name}: give either --budget auto or the tree by hand (--num-draft-tokens, --tree-width, "
-                            "--tree-nodes), not both.")
+                            "--tree-nodes, --lookup-tokens), not both.")
 
 
 def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
@@ -263,7 +271,10 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
     name = spec.name
     dynamic_tree = spec.auto == "tree"
     drafter, params = load_learned_drafter(name, target, options.drafter, options)
-    cost_model = tree_ranks = None
+    if options.lookup_tokens:  # by hand: the head's tree as given (or the drafter's) plus the lookup chain
+        drafter = dataclasses.replace(drafter, num_nodes=drafter.num_nodes + options.lookup_tokens,
+                                      lookup_depth=options.lookup_tokens)
+    cost_model = tree_ranks = lookup_runs = None
     auto = options.budget == "auto" or (dynamic_tree and not options.tree_by_hand and options.mesh is None)
     static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
     if dynamic_tree and options.budget == "auto" and static_tree:
@@ -276,14 +287,14 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
         folder = options.drafter if options.drafter != "untrained" else None
         folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
-        tree_ranks = measured_draft_ranks(target, drafter, params, folder)
+        tree_ranks, lookup_runs = measured_draft_ranks(target, drafter, params, folder)
     elif auto and spec.auto == "budget":
         from jaxspec.budget import load_or_measure_cost_model
 
         # token counts up to the largest auto budget + 1 (the root)
         cost_model = load_or_measure_cost_model(target, token_counts=(1, 9, 17, 33, 65))
     return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
-                  tree_ranks=tree_ranks)
+                  tree_ranks=tree_ranks, lookup_runs=lookup_runs)
 
 
 def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
@@ -474,6 +485,8 @@ CALIBRATION_PROMPTS = (
 )
 CALIBRATION_TOKENS = 96
 CALIBRATION_DEPTH = 6  # the deepest tree shape measured (jaxspec.budget.TREE_SHAPES)
+CALIBRATION_LOOKUP = 6  # the longest prompt-lookup chain measured (its runs are capped there)
+CALIBRATION_NGRAM = 3  # the lookup's longest n-gram (Eagle3Drafter.lookup_ngram's default)
 
 
 DRAFT_RANKS_FILE = "draft-ranks.npz"  # in a drafter folder: its measured ranks (see `save_draft_ranks`)
@@ -483,13 +496,15 @@ def _calibration_digest() -> str:
     """What the measured ranks depend on besides the head and the target: the prompts, tokens and depth."""
     import hashlib
 
-    text = json.dumps([CALIBRATION_PROMPTS, CALIBRATION_TOKENS, CALIBRATION_DEPTH])
+    text = json.dumps([CALIBRATION_PROMPTS, CALIBRATION_TOKENS, CALIBRATION_DEPTH, CALIBRATION_LOOKUP,
+                       CALIBRATION_NGRAM])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | None = None) -> Any:
-    """int[P, CALIBRATION_DEPTH]: an EAGLE head's ranks of the target's tokens along the target's own greedy answers
-    to CALIBRATION_PROMPTS (`jaxspec.drafters.eagle.draft_ranks`).
+def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | None = None) -> tuple[Any, Any]:
+    """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P]): an EAGLE head's ranks of the target's tokens along the
+    target's own greedy answers to CALIBRATION_PROMPTS (`jaxspec.drafters.eagle.draft_ranks`), and how many tokens of
+    a prompt-lookup chain the target keeps at the same positions (`jaxspec.drafters.prompt_lookup.lookup_runs`).
 
     Read from the drafter's folder when it holds them for this head and target (`save_draft_ranks`; the shipped
     drafter does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the
@@ -506,19 +521,20 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
                 same = (str(f["target"]) == target.fingerprint() and str(f["calibration"]) == _calibration_digest()
                         and str(f["head"]) == head)
                 if same and f["ranks"].ndim == 2 and f["ranks"].shape[1] == CALIBRATION_DEPTH:
-                    return f["ranks"]
+                    return f["ranks"], f["lookup_runs"]
         except (OSError, ValueError, KeyError):
             pass  # unreadable, or of another head or target (a retrained head in the same folder): measured below
-    path = os.path.join(cache_folder(), f"draft-ranks-{head}.npy")
+    path = os.path.join(cache_folder(), f"draft-ranks-{head}-{_calibration_digest()}.npz")
     if os.path.isfile(path):
         try:
-            return np.load(path)
-        except (OSError, ValueError):
+            with np.load(path) as f:
+                return f["ranks"], f["lookup_runs"]
+        except (OSError, ValueError, KeyError):
             pass
-    ranks = _measure_draft_ranks(target, drafter, params)
+    ranks, runs = _measure_draft_ranks(target, drafter, params)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.save(path, ranks)
-    return ranks
+    np.savez(path, ranks=ranks, lookup_runs=runs)
+    return ranks, runs
 
 
 def _head_digest(target: LoadedModel, params) -> str:
@@ -540,8 +556,8 @@ def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
     import numpy as np
 
     path = os.path.join(folder, DRAFT_RANKS_FILE)
-    ranks = _measure_draft_ranks(target, drafter, params)
-    np.savez(path, ranks=ranks, target=target.fingerprint(), calibration=_calibration_digest(),
+    ranks, runs = _measure_draft_ranks(target, drafter, params)
+    np.savez(path, ranks=ranks, lookup_runs=runs, target=target.fingerprint(), calibration=_calibration_digest(),
              head=_head_digest(target, params))
     return path
 
@@ -550,6 +566,7 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     import numpy as np
 
     from jaxspec.drafters.eagle import draft_ranks
+    from jaxspec.drafters.prompt_lookup import lookup_runs
     from jaxspec.tokenizer import encode_prompt
 
     if target.tokenizer is not None:
@@ -562,6 +579,7 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]
     for row, (p, a) in enumerate(zip(prompts, answers)):
         tokens[row, : lengths[row]] = p + a
-    return draft_ranks(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
-                       np.array([len(p) for p in prompts]), CALIBRATION_DEPTH,
-                       head_cfg=drafter.head_config(target.config))
+    starts = np.array([len(p) for p in prompts])  # [R]
+    ranks = draft_ranks(params, target.weights, target.config, drafter.target_layers, tokens, lengths, starts,
+                        CALIBRATION_DEPTH, head_cfg=drafter.head_config(target.config))  # [P, D]
+    return ranks, lookup_runs(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM)  # [P]

@@ -20,6 +20,7 @@ OPTION_FLAGS = {
     "num_draft_tokens": "--num-draft-tokens",
     "tree_width": "--tree-width",
     "tree_nodes": "--tree-nodes",
+    "lookup_tokens": "--lookup-tokens",
     "ngram": "--ngram",
     "exit_layer": "--exit-layer",
     "drafter": "--drafter",
@@ -94,7 +95,7 @@ class MethodSpec:
         return [flag for field, flag in OPTION_FLAGS.items() if field in self.options]
 
 
-_TREE_BY_HAND = frozenset({"num_draft_tokens", "tree_width", "tree_nodes"})
+_TREE_BY_HAND = frozenset({"num_draft_tokens", "tree_width", "tree_nodes", "lookup_tokens"})
 
 METHOD_SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(name="autoregressive", summary="plain decoding, one target forward per token (the baseline)",

@@ -60,6 +60,35 @@ def choices_parents(choices: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndar
     return np.array(parents, np.int32), np.array(ranks, np.int32)
 
 
+def merge_chain(tree: DraftTree, tokens: jax.Array, valid: jax.Array) -> DraftTree:
+    """A tree with a chain of other candidates merged in as a trie (EAGLE with prompt-lookup candidates).
+
+    The chain's nodes follow the tree's (T + K nodes, parents still before children). Its first token hangs under
+    the root and each next one under the previous; while a chain token equals a valid tree node under the same
+    parent, that node stands for it (the chain node is marked invalid: never accepted, no duplicate sibling) and the
+    chain goes on under it. So at T=0 the accepted path is the longer of the tree's and the chain's.
+
+    Args:
+        tree: the drafter's tree, T nodes; tokens: int32[B, K] the chain; valid: bool[B, K] (False from its end on).
+    Returns:
+        DraftTree with T + K nodes, draft_probs None (every candidate chosen deterministically).
+    """
+    if tree.draft_probs is not None:
+        raise ValueError("merge_chain needs a tree of deterministic candidates (draft_probs None).")
+    b, t = tree.tokens.shape
+    attach = jnp.full((b,), -1, jnp.int32)  # [B]: where chain node i hangs (a tree node, a chain node or the root)
+    parents, keep = [], []
+    for i in range(tokens.shape[1]):
+        same = (tree.parents == attach[:, None]) & (tree.tokens == tokens[:, i: i + 1]) & tree.valid  # [B, T]
+        found = jnp.any(same, axis=1) & valid[:, i]  # [B]: the tree holds this token at this place already
+        parents.append(attach)
+        keep.append(valid[:, i] & ~found)
+        attach = jnp.where(found, jnp.argmax(same, axis=1).astype(jnp.int32), jnp.int32(t + i))
+    return DraftTree(tokens=jnp.concatenate([tree.tokens, tokens.astype(tree.tokens.dtype)], axis=1),
+                     parents=jnp.concatenate([tree.parents, jnp.stack(parents, axis=1)], axis=1),
+                     valid=jnp.concatenate([tree.valid, jnp.stack(keep, axis=1)], axis=1))
+
+
 def ancestor_mask(parents: jax.Array) -> jax.Array:
     """bool[B, T+1, T+1] over verification indices (root = 0, node j = j + 1): mask[b, i, k] is True when k is i
     itself or one of its ancestors. This is the attention mask of tree verification.

@@ -194,6 +194,12 @@ def test_expected_tokens_per_round_on_hand_made_ranks():
         expected_tokens_per_round(ranks, TreeShape(4, 1, 4))
     with pytest.raises(UserError, match="do not cover"):
         expected_tokens_per_round(np.zeros((0, 3), int), TreeShape(1, 1, 1))
+    # a prompt-lookup chain merged in: each position keeps the longer of the head's run and the lookup's (capped)
+    runs = np.array([0, 4, 1, 0, 2])  # [P]
+    assert expected_tokens_per_round(ranks, TreeShape(2, 1, 2, 3), runs) == pytest.approx(1 + (2 + 3 + 1 + 2 + 2) / 5)
+    assert expected_tokens_per_round(ranks, TreeShape(1, 1, 1, 1), runs) == pytest.approx(1 + (1 + 1 + 1 + 1 + 1) / 5)
+    with pytest.raises(UserError, match="lookup runs"):
+        expected_tokens_per_round(ranks, TreeShape(2, 1, 2, 3))
 
 
 def test_choose_tree_picks_the_argmax_of_its_own_throughput_model():
@@ -209,20 +215,36 @@ def test_choose_tree_picks_the_argmax_of_its_own_throughput_model():
     def draft(rows, shape):
         return 1e-4 * shape.depth
 
+    head_only = [s for s in TREE_SHAPES if not s.lookup]
     for per_token, expect_wide in ((0.0, True), (1.0, False)):  # ms per extra token on top of 10 ms
         cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
                          seconds=[[1e-2 + 1e-3 * per_token * (t - 1) for t in counts]])
-        shape, rows = choose_tree(cost, 1, ranks, draft)
+        shape, rows = choose_tree(cost, 1, ranks, draft)  # no lookup runs: the head's shapes only
         by_hand = []
-        for s in TREE_SHAPES:
+        for s in head_only:
             inside = ranks[:, : s.depth] < s.top_k
             tau = 1 + np.cumprod(inside, axis=1).sum(axis=1).mean()
             by_hand.append(tau / (1e-2 + 1e-3 * per_token * s.num_nodes + 1e-4 * s.depth))
-        assert shape == TREE_SHAPES[int(np.argmax(by_hand))]
+        assert shape == head_only[int(np.argmax(by_hand))]
         assert [r["tokens_per_second"] for r in rows] == pytest.approx(by_hand)
         assert sum(r["chosen"] for r in rows) == 1 and rows[int(np.argmax(by_hand))]["chosen"]
         assert (shape.top_k > 1) == expect_wide and (expect_wide or shape.depth <= 3)
         assert "*" in format_tree_table(rows)
+    # with lookup runs: every shape, a merged chain keeping the longer run; text that repeats itself (long runs)
+    # makes a lookup shape the best on a device where every token costs
+    runs = np.where(rng.random(400) < 0.5, 5, 0)  # [P]
+    cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                     seconds=[[1e-2 + 1e-3 * (t - 1) for t in counts]])
+    shape, rows = choose_tree(cost, 1, ranks, draft, lookup_runs=runs)
+    by_hand = []
+    for s in TREE_SHAPES:
+        kept = np.cumprod(ranks[:, : s.depth] < s.top_k, axis=1).sum(axis=1)
+        tau = 1 + np.maximum(kept, np.minimum(runs, s.lookup)).mean()
+        # verified tokens between measured counts: the cost model's own (log-log) interpolation
+        by_hand.append(tau / (cost.verify_seconds(1, s.num_nodes + s.lookup + 1) + 1e-4 * s.depth))
+    assert [r["tokens_per_second"] for r in rows] == pytest.approx(by_hand)
+    assert shape == TREE_SHAPES[int(np.argmax(by_hand))] and shape.lookup > 0
+    assert " lookup " in format_tree_table(rows).splitlines()[0]
     with pytest.raises(UserError, match="batch size"):
         choose_tree(cost, 0, ranks, draft)
 

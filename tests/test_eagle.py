@@ -72,6 +72,25 @@ def test_greedy_equals_autoregressive(tiny_llama3):
             assert speculative_generate_tokens._cache_size() == before
 
 
+def test_greedy_equals_autoregressive_with_a_prompt_lookup_chain_merged_in(tiny_llama3):
+    """The head's dynamic tree plus a prompt-lookup chain (merge_chain), batch 1 and 3 rows of different lengths; a
+    chain that would leave the head no node is refused."""
+    from jaxspec.errors import UserError
+
+    _, model, ref = tiny_llama3
+    prompts = _prompts(ref)
+    prompts = [p + p[:6] for p in prompts]  # each ends by repeating its start: the lookup finds something to copy
+    cfg, params = _head(model)
+    drafter = dataclasses.replace(cfg.make_drafter(), num_nodes=8 + 3, lookup_depth=3)
+    for batch in (prompts[:1], prompts):
+        expected = generate(model.weights, model.config, batch, max_new_tokens=24, eos_ids=()).token_ids
+        result = speculative_generate(model.weights, model.config, drafter, params, batch, max_new_tokens=24,
+                                      eos_ids=())
+        assert result.token_ids == expected
+    with pytest.raises(UserError, match="at least one"):
+        dataclasses.replace(drafter, num_nodes=3, lookup_depth=3)
+
+
 def test_greedy_equals_autoregressive_over_per_layer_buffers(tiny_llama3):
     """The CPU layout (per-layer weights and a per-layer cache, written in place by each layer; JAXSPEC_LAYERS=
     unstacked) verifies trees and commits accepted paths to the same tokens as plain decoding, batch 1 and 3."""
@@ -557,20 +576,31 @@ def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeyp
     _, model, _ = tiny_llama3
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
     measured = np.full((3, methods.CALIBRATION_DEPTH), 7)  # [P, D]
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: measured)
+    runs = np.array([0, 2, 5])  # [P]: the prompt-lookup runs at the same positions
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured, runs))
     stored = np.arange(2 * methods.CALIBRATION_DEPTH).reshape(2, -1)  # [P, D]
+    stored_runs = np.array([1, 3])
     path = tmp_path / methods.DRAFT_RANKS_FILE
     params = {"w": np.zeros(3)}
     head = methods._head_digest(model, params)
+
+    def read(p=params):
+        ranks, lookup = methods.measured_draft_ranks(model, None, p, str(tmp_path))
+        return ranks.tolist(), lookup.tolist()
+
+    np.savez(path, ranks=stored, lookup_runs=stored_runs, target=model.fingerprint(),
+             calibration=methods._calibration_digest(), head=head)
+    assert read() == (stored.tolist(), stored_runs.tolist())
+    np.savez(path, ranks=stored, lookup_runs=stored_runs, target="another target",
+             calibration=methods._calibration_digest(), head=head)
+    assert read() == (measured.tolist(), runs.tolist())
     np.savez(path, ranks=stored, target=model.fingerprint(), calibration=methods._calibration_digest(), head=head)
-    assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == stored.tolist()
-    np.savez(path, ranks=stored, target="another target", calibration=methods._calibration_digest(), head=head)
-    assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == measured.tolist()
+    assert read() == (measured.tolist(), runs.tolist())  # a file of before the lookup runs: measured (cached)
     assert methods.save_draft_ranks(str(tmp_path), model, None, params) == str(path)  # writes `measured`
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: measured + 1)
-    assert methods.measured_draft_ranks(model, None, params, str(tmp_path)).tolist() == measured.tolist()
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured + 1, runs + 1))
+    assert read() == (measured.tolist(), runs.tolist())
     retrained = {"w": np.ones(3)}  # another head in the same folder: its own ranks, not the stored ones
-    assert methods.measured_draft_ranks(model, None, retrained, str(tmp_path)).tolist() == (measured + 1).tolist()
+    assert read(retrained) == ((measured + 1).tolist(), (runs + 1).tolist())
 
 
 def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
@@ -599,6 +629,63 @@ def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
         root += accepted + 1
         checked += 1
     assert checked >= 10 and sum(run.accepted[0]) > 0  # the head does accept: the check has teeth
+
+
+def test_lookup_runs_and_ranks_predict_each_round_of_a_real_merged_tree(smollm2):
+    """With a prompt-lookup chain merged into the head's chain (Eagle3Drafter.lookup_depth), each round of a real
+    greedy run accepts exactly the longer of the head's leading rank-0 steps (`draft_ranks`) and the lookup chain's
+    run (`lookup_runs`, capped at its length): the model `--budget auto` chooses by. Greedy output equals
+    autoregressive decoding. Shipped EAGLE-3 head; a prompt whose answer repeats its own text."""
+    from jaxspec.drafters.eagle import draft_ranks
+    from jaxspec.drafters.prompt_lookup import lookup_runs
+    from jaxspec.methods import MethodOptions, build_method
+    from jaxspec.tokenizer import encode_prompt
+
+    depth, lookup = 2, 3
+    method = build_method("eagle3", smollm2, MethodOptions(num_draft_tokens=depth, tree_width=1, tree_nodes=depth,
+                                                           lookup_tokens=lookup))
+    assert (method.drafter.num_nodes, method.drafter.lookup_depth) == (depth + lookup, lookup)
+    prompt = encode_prompt(smollm2.tokenizer, "Repeat this list three times: red apple, green pear, blue plum.")
+    run = speculative_generate(smollm2.weights, smollm2.config, method.drafter, method.params, [prompt],
+                               max_new_tokens=64, eos_ids=())
+    assert run.token_ids == generate(smollm2.weights, smollm2.config, [prompt], max_new_tokens=64,
+                                     eos_ids=()).token_ids
+    text = prompt + run.token_ids[0]
+    args = (np.array([text]), np.array([len(text)]), np.array([len(prompt)]))
+    ranks = draft_ranks(method.params, smollm2.weights, smollm2.config, method.drafter.target_layers, *args,
+                        depth)  # [P, depth]
+    runs = lookup_runs(*args, lookup)  # [P]
+    assert len(runs) == len(ranks) == len(text) - len(prompt) - 1
+    root, checked, by_lookup = len(prompt) - 1, 0, 0
+    for accepted in run.accepted[0]:
+        if root + 1 + depth + lookup >= len(text):
+            break  # the run's end cut this round short
+        p = root - (len(prompt) - 1)
+        head = int(np.cumprod(ranks[p] == 0).sum())
+        assert accepted == max(head, int(runs[p])), f"round at root {root + 1}"
+        by_lookup += int(runs[p]) > head
+        root += accepted + 1
+        checked += 1
+    assert checked >= 8 and by_lookup >= 2  # the lookup chain does carry rounds: the check has teeth
+
+
+def test_merge_chain_builds_a_trie_without_duplicate_siblings():
+    """A chain merged into a tree hangs under the tree's nodes while its tokens match them (those chain nodes are
+    marked invalid), then goes on as new nodes; invalid chain nodes stay invalid."""
+    from jaxspec.tree import merge_chain
+
+    # tree: root -> 5 (node 0) -> 6 (node 1); root -> 7 (node 2)
+    tree = DraftTree(tokens=jnp.array([[5, 6, 7]] * 3), parents=jnp.array([[-1, 0, -1]] * 3),
+                     valid=jnp.array([[True, True, True]] * 3))
+    chain = jnp.array([[5, 9, 6], [5, 6, 8], [7, 7, 7]])  # [B, K]
+    valid = jnp.array([[True, True, True], [True, True, True], [True, True, False]])
+    merged = merge_chain(tree, chain, valid)
+    assert merged.tokens.tolist() == [[5, 6, 7, 5, 9, 6], [5, 6, 7, 5, 6, 8], [5, 6, 7, 7, 7, 7]]
+    # row 0: 5 is node 0, 9 is new under it, 6 under 9 (not node 1: another parent)
+    # row 1: 5 and 6 are nodes 0 and 1, 8 new under node 1; row 2: 7 is node 2, 7 new under it, the last invalid
+    assert merged.parents.tolist() == [[-1, 0, -1, -1, 0, 4], [-1, 0, -1, -1, 0, 1], [-1, 0, -1, -1, 2, 4]]
+    assert merged.valid.tolist() == [[True, True, True, False, True, True], [True, True, True, False, False, True],
+                                     [True, True, True, False, True, False]]
 
 
 def test_eagle_tree_options_are_checked_before_any_model_loads():

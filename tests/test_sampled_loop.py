@@ -117,6 +117,9 @@ def _drafters():
         ("draft-model tree (top-2 siblings)", DraftModelDrafter(depth=2, tree_width=2, draft_cfg=CFG), DRAFT),
         ("eagle3 dynamic tree", eagle.for_target(CFG).make_drafter(),
          eagle.init_params(CFG, TARGET, jax.random.key(3), counts)),
+        ("eagle3 tree + prompt lookup",  # the lookup chain merged in: duplicates of the head's nodes marked invalid
+         dataclasses.replace(eagle.for_target(CFG).make_drafter(), num_nodes=5 + 3, lookup_depth=3),
+         eagle.init_params(CFG, TARGET, jax.random.key(3), counts)),
     ]
     for mode, attention in (("dflash", "bidirectional"), ("jetspec", "tree_causal")):  # ddtree: dflash's head
         head = ParallelHeadConfig(attention=attention, feature_layers=(0, 1), draft_vocab_size=6, block_size=3,

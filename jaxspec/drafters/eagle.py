@@ -90,6 +90,7 @@ import numpy as np
 from jaxspec.cache import KVCache, init_cache, write_new_entries
 from jaxspec.config import ModelConfig, RopeScaling
 from jaxspec.drafters.base import Drafter, RoundInputs
+from jaxspec.drafters.prompt_lookup import lookup_chain
 from jaxspec.errors import UserError
 from jaxspec.losses import decay_weights, gamma_weights, masked_mean, per_position_loss
 from jaxspec.model import (
@@ -103,7 +104,7 @@ from jaxspec.model import (
     rms_norm,
     rope_inverse_frequencies,
 )
-from jaxspec.tree import DraftTree, choices_parents, select_nodes
+from jaxspec.tree import DraftTree, choices_parents, merge_chain, select_nodes
 
 # ---------------------------------------------------------------------------------------------- configuration
 
@@ -650,12 +651,24 @@ class Eagle3Drafter(Drafter):
 
     depth: int = 5
     top_k: int = 4
-    num_nodes: int = 16
+    num_nodes: int = 16  # the drafted nodes verified per round, the prompt-lookup chain's included
     choices: tuple[tuple[int, ...], ...] | None = None  # a static tree (EAGLE-1) instead of the dynamic one
+    # a prompt-lookup chain of this many tokens merged into the head's tree (`jaxspec.tree.merge_chain`): the head
+    # drafts num_nodes - lookup_depth nodes, the text's own repeats the rest; 0: the head alone
+    lookup_depth: int = 0
+    lookup_ngram: int = 3  # the longest n-gram the lookup matches
     rope_theta: float | None = None  # the head's own RoPE and epsilon (None: the target's; Eagle3Config)
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float | None = None
     name: str = "eagle3"
+
+    def __post_init__(self):
+        if not 0 <= self.lookup_depth < self.num_nodes:
+            raise UserError(f"The prompt-lookup chain ({self.lookup_depth} tokens) must leave the head at least one "
+                            f"of the round's {self.num_nodes} nodes; raise the nodes or shorten the chain.")
+        if self.lookup_depth and self.choices is not None:
+            raise UserError("A prompt-lookup chain merges into dynamic trees only; this head drafts a fixed tree "
+                            "(tree_choices).")
 
     def head_config(self, target_cfg: ModelConfig) -> ModelConfig:
         return head_model_config(target_cfg, self.rope_theta, self.rope_scaling, self.rms_norm_eps)
@@ -677,7 +690,11 @@ class Eagle3Drafter(Drafter):
                 tree = static_tree(params, target_cfg, embed, cache, h_root, self.choices)
             else:
                 tree, _ = draft_tree(params, target_cfg, embed, cache, h_root, depth=self.depth, top_k=self.top_k,
-                                     num_nodes=self.num_nodes)
+                                     num_nodes=self.num_nodes - self.lookup_depth)
+        if self.lookup_depth:
+            with jax.named_scope("prompt_lookup"):
+                chain, valid = lookup_chain(inputs.history, inputs.lengths, self.lookup_depth, self.lookup_ngram)
+                tree = merge_chain(tree, chain, valid)
         return tree, dataclasses.replace(state, cache=cache, first=jnp.array(False)), inputs.target_cache
 
     def update(self, params, state: HeadState, inputs, verification, acceptance):

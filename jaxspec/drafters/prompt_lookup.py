@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.tree import DraftTree, chain_parents
@@ -36,6 +37,62 @@ def find_continuation(history: jax.Array, length: jax.Array, ngram: int, num_tok
     return best >= 0, tokens, valid
 
 
+def lookup_chain(history: jax.Array, lengths: jax.Array, depth: int, max_ngram: int = 3,
+                 min_ngram: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The prompt-lookup chain of every row: for n from `max_ngram` down to `min_ngram`, the tokens that followed the
+    latest earlier occurrence of the row's last n tokens (the longest n with a match wins).
+
+    Args:
+        history: int32[B, S] each row's context in [0, lengths] (the root at `lengths`); lengths: int32[B].
+        depth: K, the chain's length.
+    Returns:
+        (tokens int32[B, K], valid bool[B, K]): valid is False past the context's end and, once a node is invalid,
+        for every node after it (a chain); all False without a match.
+    """
+    def one_row(row, length):
+        found = jnp.bool_(False)
+        tokens = jnp.zeros((depth,), jnp.int32)  # [K]
+        valid = jnp.zeros((depth,), jnp.bool_)  # [K]
+        for n in range(max_ngram, min_ngram - 1, -1):  # longest n-gram first
+            f, t, v = find_continuation(row, length, n, depth)
+            use = f & ~found
+            tokens, valid, found = jnp.where(use, t, tokens), jnp.where(use, v, valid), found | f
+        return tokens, valid
+
+    tokens, valid = jax.vmap(one_row)(history, lengths)  # [B, K] each
+    return tokens, jnp.cumprod(valid, axis=1).astype(jnp.bool_)
+
+
+def lookup_runs(tokens: np.ndarray, lengths: np.ndarray, response_starts: np.ndarray, depth: int,
+                max_ngram: int = 3) -> np.ndarray:
+    """How many tokens of the prompt-lookup chain the target would accept at T=0, at every round root along text
+    the target generated (the positions and order of `jaxspec.drafters.eagle.draft_ranks`).
+
+    At column t (the round's root is token t + 1, everything up to it committed) the chain of `lookup_chain` is
+    drafted from the text up to the root, and its run is the number of its leading tokens equal to tokens t + 2, ...
+
+    Args:
+        tokens: int[R, S] prompts followed by the target's greedy continuations, right-padded; lengths: int[R];
+        response_starts: int[R] index of each row's first generated token; depth: the longest chain measured.
+    Returns:
+        int64[P] in [0, depth], one per measured position (those of `draft_ranks`).
+    """
+    toks = np.asarray(tokens, np.int64)  # [R, S]
+    r, s = toks.shape
+    runs = []
+    for row in range(r):
+        cols = np.arange(max(int(response_starts[row]) - 1, 0), max(int(lengths[row]) - 2, 0))  # [P_row]
+        if len(cols) == 0:
+            continue
+        history = jnp.broadcast_to(jnp.asarray(toks[row], jnp.int32), (len(cols), s))  # [P_row, S]
+        chain, valid = lookup_chain(history, jnp.asarray(cols + 1, jnp.int32), depth, max_ngram)  # [P_row, K]
+        wanted_at = cols[:, None] + 2 + np.arange(depth)[None, :]  # [P_row, K]
+        wanted = np.where(wanted_at < lengths[row], toks[row, np.minimum(wanted_at, s - 1)], -1)  # [P_row, K]
+        hit = np.asarray(valid) & (np.asarray(chain) == wanted)  # [P_row, K]
+        runs.append(np.cumprod(hit, axis=1).sum(axis=1))
+    return np.concatenate(runs).astype(np.int64) if runs else np.zeros(0, np.int64)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptLookupDrafter(Drafter):
     """params: None; state: None."""
@@ -50,17 +107,6 @@ class PromptLookupDrafter(Drafter):
         return self.depth
 
     def propose(self, params, state, inputs: RoundInputs, target_cfg, sampling, rng):
-        def one_row(history, length):
-            found = jnp.bool_(False)
-            tokens = jnp.zeros((self.num_nodes,), jnp.int32)
-            valid = jnp.zeros((self.num_nodes,), jnp.bool_)
-            for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest n-gram first
-                f, t, v = find_continuation(history, length, n, self.num_nodes)
-                use = f & ~found
-                tokens, valid, found = jnp.where(use, t, tokens), jnp.where(use, v, valid), found | f
-            return tokens, valid
-
-        tokens, valid = jax.vmap(one_row)(inputs.history, inputs.lengths)
-        valid = jnp.cumprod(valid, axis=1).astype(jnp.bool_)  # a chain: nothing after an invalid node
+        tokens, valid = lookup_chain(inputs.history, inputs.lengths, self.depth, self.max_ngram, self.min_ngram)
         parents = jnp.broadcast_to(jnp.asarray(chain_parents(self.num_nodes)), tokens.shape)
         return DraftTree(tokens=tokens, parents=parents, valid=valid), state, inputs.target_cache
