@@ -278,6 +278,23 @@ def test_regenerate_command_on_smollm2(smollm2, tmp_path, monkeypatch):
         ids = encode_prompt(smollm2.tokenizer, prompts[data.source_index[i]], chat=True)
         assert data.sample(i)[: data.prompt_lengths[i]].tolist() == ids
 
+    # --topics: the code prompts among prompts 10-39, under their indices in the whole list
+    from jaxspec.data import select_topics
+
+    topical = tmp_path / "code"
+    args = parser.parse_args(["regenerate", "--out", str(topical), "--first-prompt", "10", "--num-prompts", "30",
+                              "--topics", "code", "--max-prompt-tokens", "512", "--max-new-tokens", "2",
+                              "--batch-size", "4", "--shard-size", "4", "--no-progress", "--layers", "stacked"])
+    manifest = cmd_regenerate(args)
+    texts = load_sharegpt_prompts(limit=40)
+    chosen = [10 + i for i in select_topics(texts[10:], ["code"])]
+    wanted = [i for i in chosen if len(encode_prompt(smollm2.tokenizer, texts[i], chat=True)) <= 512]
+    assert 0 < len(wanted) < 30 and "topics code" in manifest["prompts"]["source"]
+    assert RegeneratedDataset(str(topical)).source_index.tolist() == wanted
+    args.topics = "poetry"
+    with pytest.raises(UserError, match="the topics are code, math"):
+        cmd_regenerate(args)
+
 
 def test_features_saved_while_generating_equal_a_fresh_forward_and_resume_without_gaps(target, tmp_path):
     """--feature-layers: the features written at generation time equal a fresh target forward over the same tokens
