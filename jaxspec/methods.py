@@ -106,7 +106,7 @@ class Method:
 
         def draft_seconds(rows: int, shape) -> float:
             steps = shape.depth * cost.verify_seconds(rows, shape.top_k)  # the head's forwards over the tree
-            absorb = cost.verify_seconds(rows, shape.num_nodes + 1)  # the head over the last round's pairs
+            absorb = cost.verify_seconds(rows, shape.verified_nodes + 1)  # the head over the last round's pairs
             return (steps + absorb) / layers
 
         return choose_tree(cost, batch, self.tree_ranks, draft_seconds, lookup_runs=self.lookup_runs)
