@@ -47,7 +47,7 @@ class MethodOptions:
 
     @property
     def tree_by_hand(self) -> bool:
-        """Whether the user gave the tree's shape (--num-draft-tokens, --tree-width or --tree-nodes)."""
+        """Whether the user gave the tree by hand (--num-draft-tokens, --tree-width, --tree-nodes, --lookup-tokens)."""
         return (self.num_draft_tokens, self.tree_width, self.tree_nodes, self.lookup_tokens) != (None,) * 4
 
 
