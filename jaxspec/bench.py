@@ -150,8 +150,9 @@ def method_k(method: Method, batch_size: int = 1) -> int | None:
         return None
     drafter = method.drafter_for_batch(batch_size)
     depth, nodes = getattr(drafter, "depth", None), getattr(drafter, "num_nodes", None)
+    lookup = getattr(drafter, "lookup_depth", 0)  # EAGLE with a prompt-lookup chain: its nodes reach depth `lookup`
     if depth and nodes:  # a tree of fewer nodes than its depth (a pruned dynamic tree) accepts at most its nodes
-        return int(min(depth, nodes))
+        return int(max(min(depth, nodes - lookup), lookup))
     return int(depth or nodes)
 
 
