@@ -143,12 +143,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------- the runs
 
 
-def method_k(method: Method, batch_size: int = 1) -> int | None:
+def method_k(method: Method, batch_size: int = 1, greedy: bool = True) -> int | None:
     """Draft depth K per round at this batch size (accepted tokens per round are at most K; --budget auto may choose
-    it per batch size); None for autoregressive."""
+    it per batch size and for greedy or sampled decoding); None for autoregressive."""
     if method.drafter is None or method.is_pipeline:
         return None
-    drafter = method.drafter_for_batch(batch_size)
+    drafter = method.drafter_for_batch(batch_size, greedy)
     depth, nodes = getattr(drafter, "depth", None), getattr(drafter, "num_nodes", None)
     lookup = getattr(drafter, "lookup_depth", 0)  # EAGLE with a prompt-lookup chain: its nodes reach depth `lookup`
     if depth and nodes:  # a tree of fewer nodes than its depth (a pruned dynamic tree) accepts at most its nodes
@@ -156,9 +156,9 @@ def method_k(method: Method, batch_size: int = 1) -> int | None:
     return int(depth or nodes)
 
 
-def method_nodes(method: Method, batch_size: int = 1) -> int | None:
+def method_nodes(method: Method, batch_size: int = 1, greedy: bool = True) -> int | None:
     """Drafted nodes verified per round (the tree budget) at this batch size; None for autoregressive."""
-    drafter = method.drafter_for_batch(batch_size)
+    drafter = method.drafter_for_batch(batch_size, greedy)
     return None if drafter is None or method.is_pipeline else int(drafter.num_nodes)
 
 
@@ -183,18 +183,18 @@ def mesh_label(mesh) -> str:
     return ",".join(f"{name}={size}" for name, size in sizes.items())
 
 
-def _label(method: Method, batch_size: int = 1) -> str:
+def _label(method: Method, batch_size: int = 1, greedy: bool = True) -> str:
     """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3) or is a budget (DFlash,
     DDTree, JetSpec)."""
-    label = method_label(method.name, method_k(method, batch_size), method_width(method))
+    label = method_label(method.name, method_k(method, batch_size, greedy), method_width(method))
     if method.is_pipeline:
         width = method.drafter.tree_width
         return f"{label} n={method.drafter.num_stages}" + (f" W={width}" if width > 1 else "")
-    nodes = method_nodes(method, batch_size)
+    nodes = method_nodes(method, batch_size, greedy)
     budgeted = hasattr(method.drafter, "budget")  # DFlash / DDTree / JetSpec: always name the budget
-    if nodes is not None and (budgeted or nodes != method_k(method, batch_size) * method_width(method)):
+    if nodes is not None and (budgeted or nodes != method_k(method, batch_size, greedy) * method_width(method)):
         label += f" N={nodes}"
-    lookup = getattr(method.drafter_for_batch(batch_size), "lookup_depth", 0)
+    lookup = getattr(method.drafter_for_batch(batch_size, greedy), "lookup_depth", 0)
     if lookup:  # EAGLE with a prompt-lookup chain merged in: N counts its nodes too
         label += f" L={lookup}"
     return label
@@ -206,7 +206,7 @@ def _batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[lis
 
 def _shape_key(method: Method, rows, max_new_tokens: int, sampling: SamplingConfig) -> tuple:
     """What decides a compilation of the method's jitted loop: the padded prompt shape, cache size, sampling."""
-    drafter = method.drafter_for_batch(len(rows))
+    drafter = method.drafter_for_batch(len(rows), sampling.temperature == 0)
     if drafter is None:
         extra = 0
     elif method.is_pipeline:  # in-flight tokens beyond the committed ones
@@ -214,7 +214,7 @@ def _shape_key(method: Method, rows, max_new_tokens: int, sampling: SamplingConf
     else:
         extra = drafter.num_nodes + 1  # a round may overshoot by T + 1 slots
     batch = pad_prompts(rows, max_new_tokens, method.target.config, draft_slots=extra)
-    return _label(method, len(rows)), batch.tokens.shape, batch.cache_size, sampling
+    return _label(method, len(rows), sampling.temperature == 0), batch.tokens.shape, batch.cache_size, sampling
 
 
 def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -258,18 +258,19 @@ def _finite(x: float | None) -> float | None:
 
 def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: str, temperature: float,
                batch_size: int, num_batches: int) -> dict:
-    k = method_k(method, batch_size)
+    greedy = temperature == 0
+    k = method_k(method, batch_size, greedy)
     new_tokens = sum(len(t) for t in run["token_ids"])
     tps = new_tokens / run["seconds"] if run["seconds"] > 0 else float("nan")
     row: dict[str, Any] = {
         "method": method.name,
         "num_draft_tokens": k,
         "tree_width": None if k is None else method_width(method),
-        "tree_nodes": method_nodes(method, batch_size),
+        "tree_nodes": method_nodes(method, batch_size, greedy),
         "budget_auto": method.cost_model is not None,
         # --budget auto: the throughput model behind the choice at this batch size
-        "auto_budget_table": method.auto_table(batch_size)[2] if method.cost_model is not None else None,
-        "label": _label(method, batch_size),
+        "auto_budget_table": method.auto_table(batch_size, greedy)[2] if method.cost_model is not None else None,
+        "label": _label(method, batch_size, greedy),
         "mesh": mesh_label(method.mesh),  # "4x2" (data x model), "1 device"
         "mesh_shape": None if method.mesh is None else dict(method.mesh.shape),
         "prompt_set": prompt_set,
@@ -408,7 +409,8 @@ def run_bench(
                     for batch_size in batch_sizes:
                         batches = _batches(prompts, batch_size)
                         key = (set_name, float(temperature), batch_size)
-                        bar.set_postfix_str(f"{_label(method)} | {set_name} T={temperature:g} B={batch_size}")
+                        bar.set_postfix_str(f"{_label(method, 1, temperature == 0)} | {set_name} T={temperature:g} "
+                                            f"B={batch_size}")
                         run = _run_method(method, batches, max_new_tokens=max_new_tokens, sampling=sampling,
                                           seed=seed, eos_ids=eos_ids, compiled=compiled)
                         row = _summarize(method, run, baselines.get(key), prompt_set=set_name,

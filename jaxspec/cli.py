@@ -170,7 +170,7 @@ def cmd_generate(args) -> None:
     baseline = build_method("autoregressive", model, MethodOptions(mesh=args.mesh)) if args.speedup else None
     if method.cost_model is not None:  # --budget auto: show the choice and the model behind it
         rows = min(len(prompt_ids), args.batch_size) if args.json else 1
-        chosen, table, _ = method.auto_table(rows)
+        chosen, table, _ = method.auto_table(rows, greedy=sampling.temperature == 0)
         print(f"[--budget auto at batch {rows}: {chosen}]\n{table}", file=sys.stderr)
     if args.json or method.drafter is not None or method.mesh is not None:  # streaming: one device, no drafter
         for start in range(0, len(prompts), args.batch_size if args.json else 1):
@@ -200,7 +200,8 @@ def cmd_generate(args) -> None:
                     row_accepted = result.accepted[i]
                     stats.update(rounds=result.rounds[i], tau=round(tau([row_accepted]), 3) if row_accepted else None,
                                  accepted_per_round=row_accepted,
-                                 draft_nodes_per_round=method.drafter_for_batch(len(rows)).num_nodes)
+                                 draft_nodes_per_round=method.drafter_for_batch(
+                                     len(rows), greedy=sampling.temperature == 0).num_nodes)
                 if ar_result is not None:
                     ar_rate = sum(map(len, ar_result.token_ids)) / ar_result.seconds  # the whole batch's rate
                     rate = sum(map(len, result.token_ids)) / result.seconds

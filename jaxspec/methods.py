@@ -82,21 +82,27 @@ class Method:
 
         return isinstance(self.drafter, PipelineDrafter)
 
-    def drafter_for_batch(self, batch: int):
-        """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks."""
+    def drafter_for_batch(self, batch: int, greedy: bool = True):
+        """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks.
+        greedy: whether the run decodes at T=0 (the EAGLE trees' prompt-lookup shapes are chosen only then)."""
         if self.cost_model is None or self.drafter is None:
             return self.drafter
         if self.tree_ranks is not None:
-            shape = self.auto_tree(batch)[0]
+            shape = self.auto_tree(batch, greedy)[0]
             return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k,
                                        num_nodes=shape.verified_nodes, lookup_depth=shape.lookup)
         return dataclasses.replace(self.drafter, budget=self.auto_budget(batch)[0])
 
-    def auto_tree(self, batch: int):
+    def auto_tree(self, batch: int, greedy: bool = True):
         """(TreeShape, table) of --budget auto for eagle2/eagle3 at this batch size: the shape with the highest
         expected tokens/s from the device's verification cost model and the head's measured acceptance. Drafting is
         costed as one target layer per head forward (each of the `depth` steps over top_k nodes, and the absorbing
-        of the last round's nodes + 1 pairs)."""
+        of the last round's nodes + 1 pairs).
+
+        The acceptance model is that of T=0 (ranks along greedy text). With sampling (greedy False) the shapes with a
+        prompt-lookup chain are left out: a sampled round keeps a draft with the target's probability of it, which
+        the greedy runs do not measure, and at T=1 the chain cost more than it gave on MT-Bench and GSM8K (the
+        README's results of 2026-12-05); the head-only shapes keep the T=0 model as before."""
         from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, load_or_measure_cost_model
 
         if batch not in self.cost_model.batch_sizes:  # measured at the batch sizes in use, once per device
@@ -109,14 +115,16 @@ class Method:
             absorb = cost.verify_seconds(rows, shape.verified_nodes + 1)  # the head over the last round's pairs
             return (steps + absorb) / layers
 
-        return choose_tree(cost, batch, self.tree_ranks, draft_seconds, lookup_runs=self.lookup_runs)
+        return choose_tree(cost, batch, self.tree_ranks, draft_seconds,
+                           lookup_runs=self.lookup_runs if greedy else None)
 
-    def auto_table(self, batch: int) -> tuple[str, str, list[dict]]:
-        """(what was chosen, the table as text, its rows) of --budget auto at this batch size."""
+    def auto_table(self, batch: int, greedy: bool = True) -> tuple[str, str, list[dict]]:
+        """(what was chosen, the table as text, its rows) of --budget auto at this batch size (greedy: see
+        `auto_tree`)."""
         from jaxspec.budget import format_budget_table, format_tree_table
 
         if self.tree_ranks is not None:
-            shape, rows = self.auto_tree(batch)
+            shape, rows = self.auto_tree(batch, greedy)
             lookup = f" + a prompt-lookup chain of {shape.lookup}" if shape.lookup else ""
             chosen = f"depth {shape.depth}, top_k {shape.top_k}, {shape.num_nodes} nodes{lookup}"
             return chosen, format_tree_table(rows), [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows]
@@ -149,7 +157,7 @@ class Method:
 
             return pipeline_generate(t.weights, t.config, self.drafter, self.params, prompt_ids, mesh=self.mesh,
                                      **kwargs)
-        drafter = self.drafter_for_batch(len(prompt_ids))
+        drafter = self.drafter_for_batch(len(prompt_ids), greedy=sampling.temperature == 0)
         return speculative_generate(t.weights, t.config, drafter, self.params, prompt_ids, mesh=self.mesh, **kwargs)
 
 

@@ -93,9 +93,10 @@ def round_phase_ms(method, rows: Sequence[Sequence[int]], *, max_new_tokens: int
     if method.drafter is None or method.is_pipeline:
         raise ValueError(f"{method.name} does not run the speculative loop's rounds")
     target = method.target
-    args, kwargs = loop_arguments(target.weights, target.config, method.drafter_for_batch(len(rows)), method.params,
-                                  rows, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                                  eos_ids=eos_ids, max_cache_length=None, mesh=method.mesh)
+    drafter = method.drafter_for_batch(len(rows), sampling.temperature == 0)
+    args, kwargs = loop_arguments(target.weights, target.config, drafter, method.params, rows,
+                                  max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
+                                  max_cache_length=None, mesh=method.mesh)
 
     def run():
         return jax.block_until_ready(speculative_generate_tokens(*args, **kwargs))

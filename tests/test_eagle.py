@@ -669,6 +669,27 @@ def test_lookup_runs_and_ranks_predict_each_round_of_a_real_merged_tree(smollm2)
     assert checked >= 8 and by_lookup >= 2  # the lookup chain does carry rounds: the check has teeth
 
 
+def test_auto_tree_merges_a_lookup_chain_at_t0_only(tiny_llama3):
+    """--budget auto on hand-made ranks and lookup runs: text that repeats itself makes a lookup shape the choice at
+    T=0 (drafter_for_batch sets the chain); for sampled decoding the lookup shapes are left out."""
+    from jaxspec.budget import EAGLE_TOKEN_COUNTS, CostModel
+    from jaxspec.methods import Method
+
+    _, model, _ = tiny_llama3
+    cfg, _ = _head(model)
+    counts = list(EAGLE_TOKEN_COUNTS)
+    cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                     seconds=[[1e-2 + 1e-4 * (t - 1) for t in counts]])
+    ranks = np.full((100, 6), 5)  # [P, D]: the head never right
+    runs = np.full(100, 6)  # [P]: the lookup chain always right
+    method = Method(name="eagle3", drafter=cfg.make_drafter(), params=None, target=model, cost_model=cost,
+                    tree_ranks=ranks, lookup_runs=runs)
+    greedy, sampled = method.drafter_for_batch(1), method.drafter_for_batch(1, greedy=False)
+    assert greedy.lookup_depth == 5 and greedy.num_nodes == method.auto_tree(1)[0].verified_nodes
+    assert sampled.lookup_depth == 0 and all(not r["shape"].lookup for r in method.auto_tree(1, greedy=False)[1])
+    assert "prompt-lookup chain of 5" in method.auto_table(1)[0]
+
+
 def test_merge_chain_builds_a_trie_without_duplicate_siblings():
     """A chain merged into a tree hangs under the tree's nodes while its tokens match them (those chain nodes are
     marked invalid), then goes on as new nodes; invalid chain nodes stay invalid."""
