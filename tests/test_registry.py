@@ -17,9 +17,9 @@ from jaxspec.methods import MethodOptions, build_method, check_method_options
 from jaxspec.registry import METHOD_SPECS, OPTION_FLAGS
 
 # a value that differs from the default for every option field (the refusal test sets one at a time)
-_NON_DEFAULT = {"draft_model": "some-model", "num_draft_tokens": 2, "tree_width": 2, "tree_nodes": 4, "ngram": 2,
-                "exit_layer": 1, "drafter": "untrained", "budget": 8, "refresh_steps": 1, "num_stages": 3,
-                "stage_devices": 2}
+_NON_DEFAULT = {"draft_model": "some-model", "num_draft_tokens": 2, "tree_width": 2, "tree_nodes": 4,
+                "lookup_tokens": 3, "ngram": 2, "exit_layer": 1, "drafter": "untrained", "budget": 8,
+                "refresh_steps": 1, "num_stages": 3, "stage_devices": 2}
 
 
 def test_every_option_field_has_a_flag_and_a_non_default_test_value():
