@@ -172,18 +172,27 @@ PROMPT_TOPICS = {
 }
 
 
+OTHER_TOPIC = "other"  # the prompts no topic of PROMPT_TOPICS matches (the rest of a selection, without overlap)
+
+
 def select_topics(prompts: Sequence[str], topics: Sequence[str]) -> list[int]:
-    """Indices of the prompts that match any of `topics` (names in `PROMPT_TOPICS`), in order.
+    """Indices of the prompts that match any of `topics` (names in `PROMPT_TOPICS`, or "other": those that match
+    none of them), in order.
 
     Raises:
         UserError: an unknown topic (the message lists the known ones).
     """
-    unknown = [t for t in topics if t not in PROMPT_TOPICS]
+    known = [*PROMPT_TOPICS, OTHER_TOPIC]
+    unknown = [t for t in topics if t not in known]
     if unknown or not topics:
         raise UserError(f"Unknown topic '{unknown[0] if unknown else ''}'; the topics are "
-                        f"{', '.join(PROMPT_TOPICS)} (comma-separated).")
-    patterns = [PROMPT_TOPICS[t] for t in topics]
-    return [i for i, text in enumerate(prompts) if any(p.search(text) for p in patterns)]
+                        f"{', '.join(known)} (comma-separated).")
+
+    def matches(text: str) -> bool:
+        found = {name for name, pattern in PROMPT_TOPICS.items() if pattern.search(text)}
+        return bool(found & set(topics)) or (OTHER_TOPIC in topics and not found)
+
+    return [i for i, text in enumerate(prompts) if matches(text)]
 
 
 # ---------------------------------------------------------------------------------------------- file helpers

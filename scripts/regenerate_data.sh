@@ -15,6 +15,8 @@
 # The code-and-math set (issue 16: the evaluation sets ask for code and arithmetic, most ShareGPT prompts do not):
 # the ShareGPT prompts from 2916 on (past the first folder's shards 0-32) that ask for code or math, in its own folder:
 #   OUT=data/regen-smollm2-135m-codemath FIRST_PROMPT=2916 TOPICS=code,math bash scripts/regenerate_data.sh
+# and the rest of those prompts, without overlap (the first folder stops at shard 32: do not resume it past there):
+#   OUT=data/regen-smollm2-135m-other FIRST_PROMPT=2916 TOPICS=other bash scripts/regenerate_data.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-data/regen-smollm2-135m-b64}

@@ -292,7 +292,7 @@ def test_regenerate_command_on_smollm2(smollm2, tmp_path, monkeypatch):
     assert 0 < len(wanted) < 30 and "topics code" in manifest["prompts"]["source"]
     assert RegeneratedDataset(str(topical)).source_index.tolist() == wanted
     args.topics = "poetry"
-    with pytest.raises(UserError, match="the topics are code, math"):
+    with pytest.raises(UserError, match="the topics are code, math, other"):
         cmd_regenerate(args)
 
 
@@ -388,7 +388,9 @@ def test_topic_rules_pick_code_and_math_prompts():
     assert select_topics(prompts, ["code"]) == [0, 4]
     assert select_topics(prompts, ["math"]) == [2, 5]
     assert select_topics(prompts, ["code", "math"]) == [0, 2, 4, 5]
-    with pytest.raises(UserError, match="the topics are code, math"):
+    assert select_topics(prompts, ["other"]) == [1, 3]  # the rest: no overlap with code or math
+    assert select_topics(prompts, ["math", "other"]) == [1, 2, 3, 5]
+    with pytest.raises(UserError, match="the topics are code, math, other"):
         select_topics(prompts, ["poetry"])
 
 

@@ -34,8 +34,8 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
                         "reach; samples keep their index in the whole list")
     p.add_argument("--topics", default="all", metavar="T[,T]",
                    help="only the prompts that ask for these topics (code, math; keyword rules, "
-                        "jaxspec.data.PROMPT_TOPICS), e.g. for a drafter meant for code and math prompts; samples "
-                        "keep their index in the whole list (default: all prompts)")
+                        "jaxspec.data.PROMPT_TOPICS; other: the prompts that match none), e.g. for a drafter meant "
+                        "for code and math prompts; samples keep their index in the whole list (default: all)")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer templated prompts are skipped")
     p.add_argument("--max-new-tokens", type=int, default=256, help="most response tokens per prompt")
     p.add_argument("--batch-size", type=int, default=8,
