@@ -12,9 +12,11 @@ import glob
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -142,9 +144,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None, with_tokenizer: bo
                mesh=None) -> LoadedModel:
     """Loads config, weights and tokenizer from a known name, a .gguf file or a Hugging Face folder.
 
-    mesh: place the weights straight onto this (data, model) mesh in `jaxspec.sharding`'s layout, one field at a
-    time, so that no device ever holds more than its shards (the same arrays as `shard_weights` of a plain load);
-    a mesh that does not divide the model is refused first. Hybrid models (Qwen3.5) load on one device."""
+    mesh: place the weights straight onto this (data, model) mesh in `jaxspec.sharding`'s layout (the same arrays
+    as `shard_weights` of a plain load), each device's block of each field read from the file on its own: no device
+    holds more than its shards, the host about one block, and on many hosts each process reads only the slices its
+    devices hold. A mesh that does not divide the model is refused first. Hybrid models (Qwen3.5) load on one
+    device."""
     dtype = default_dtype() if dtype is None else dtype
     path = resolve_model_path(name_or_path)
     reader = None  # a GGUF file is parsed once, for the weights and the tokenizer (seconds for a large vocabulary)
@@ -196,25 +200,48 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 def load_gguf(path: str, dtype=jnp.float32, reader=None, mesh=None) -> tuple[ModelConfig, Weights]:
     """Reads a GGUF file: config from its metadata, every tensor dequantized to float, Q/K rows un-permuted.
     reader: the file's `jaxspec.gguf_file.GGUFFile` when it is already open. Tensors are dequantized when their
-    field is built, one field at a time; with `mesh`, each field goes straight to its shards there."""
+    field is placed, one field at a time (`_assemble`); with `mesh`, each device's rows and columns on their own."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path) if reader is None else reader
     cfg = ModelConfig.from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
 
-    def get(name: str) -> np.ndarray:
+    def stored(name: str, heads: int | None = None) -> StoredTensor:
+        """The tensor read in part when placed; `heads`: its rows un-permuted per head (llama's Q and K)."""
         if name not in tensors:
             raise UserError(
                 f"The GGUF file '{path}' has no tensor '{name}'; it is incomplete or not a {cfg.architecture}."
             )
         t = tensors[name]
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise UserError(f"Could not dequantize '{name}' in '{path}' ({e}); the file is corrupt.") from None
-        # numpy shape is the reverse of GGUF's ne: [out, in] for matrices.
-        return np.asarray(arr, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
+        shape = tuple(reversed([int(n) for n in t.shape]))  # numpy order: [out, in] for matrices
+        quantized = t.data.shape[-1] != shape[-1]  # a quantized tensor's rows are bytes, dequantized whole
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            if heads:  # the permutation stays inside each head's rows: read whole heads, un-permute, cut
+                per_head = shape[0] // heads
+                start, stop, _ = index[0].indices(shape[0])
+                first, last = start // per_head * per_head, -(-stop // per_head) * per_head
+                block = read_stored((slice(first, last), *index[1:]))
+                return _unpermute_rows(block, (last - first) // per_head)[start - first:stop - first]
+            return read_stored(index)
+
+        def read_stored(index: tuple[slice, ...]) -> np.ndarray:
+            data = np.asarray(t.data).reshape(*shape[:-1], -1)  # [..., row bytes or row values]
+            try:
+                if quantized:
+                    block = dequantize(data[(*index[:-1],)] if len(shape) > 1 else data, t.tensor_type)
+                    block = block.reshape(*block.shape[:-1], shape[-1])[..., index[-1]]
+                else:
+                    block = dequantize(data[index], t.tensor_type)
+            except Exception as e:
+                raise UserError(f"Could not dequantize '{name}' in '{path}' ({e}); the file is corrupt.") from None
+            return np.asarray(block, dtype=np.float32)
+
+        return StoredTensor(shape, read)
+
+    def get(name: str) -> np.ndarray:
+        return stored(name).full()
 
     if cfg.is_hybrid:  # Qwen3.5: read as the Hugging Face tensors llama.cpp's converter started from
         hf = _gguf_as_hf(cfg, get)
@@ -230,10 +257,8 @@ def load_gguf(path: str, dtype=jnp.float32, reader=None, mesh=None) -> tuple[Mod
 
     permute = cfg.architecture == "llama"
 
-    def lazy(name: str, heads: int | None = None):  # reads (and un-permutes) the tensor when called
-        if name not in tensors:
-            get(name)  # a missing tensor is a clear error now, before any work
-        return lambda: _unpermute_rows(get(name), heads) if permute and heads else get(name)
+    def lazy(name: str, heads: int | None = None) -> StoredTensor:  # read (and un-permuted) when placed
+        return stored(name, heads if permute else None)
 
     raw = {
         "embed": lazy("token_embd.weight"),  # [V, d]
@@ -378,8 +403,9 @@ def _safetensors_files(folder: str) -> list[str]:
 def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConfig, Weights]:
     """Reads a Hugging Face folder: config.json through AutoConfig and the *.safetensors weights.
 
-    Tensors are read when their field is built, one field at a time (`_assemble`), so host memory holds about one
-    field (all layers of one matrix), not the model; with `mesh`, each field goes straight to its shards there."""
+    Tensors are read when their field is placed, one field at a time (`_assemble`), so host memory holds about one
+    field (all layers of one matrix), not the model; with `mesh`, one device's block of one field (only the slices
+    this process's devices hold are read)."""
     from safetensors import safe_open
 
     cfg = ModelConfig.from_hf_config(folder)
@@ -396,26 +422,41 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
 
     wanted = np.dtype(jnp.dtype(dtype))
 
-    def get(name: str) -> np.ndarray:  # in the dtype loaded when the file stores that one (a bfloat16 checkpoint
-        # loaded in bfloat16 has no float32 copy on the host), else float32
+    def stored(name: str, offset: float = 0.0) -> StoredTensor:  # read in part when placed, in the dtype loaded
+        # when the file stores that one (a bfloat16 checkpoint loaded in bfloat16 has no float32 copy on the host),
+        # else float32; `offset` added to what is read
         if name not in where:
             raise UserError(f"The checkpoint in '{folder}' has no tensor '{name}'; it does not match its config.json.")
-        file, stored = where[name]
+        file, name_in_file = where[name]
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            try:
+                with safe_open(file, framework="numpy") as f:
+                    block = f.get_slice(name_in_file)[index]
+            except Exception as e:
+                raise UserError(f"Could not read '{name_in_file}' from '{file}' ({e}); the safetensors file is "
+                                "corrupt or truncated.") from None
+            block = block if block.dtype == wanted else np.asarray(block, dtype=np.float32)
+            return block + offset if offset else block
+
         try:
             with safe_open(file, framework="numpy") as f:
-                tensor = f.get_tensor(stored)
-                return tensor if tensor.dtype == wanted else np.asarray(tensor, dtype=np.float32)
+                shape = tuple(f.get_slice(name_in_file).get_shape())
         except Exception as e:
-            raise UserError(f"Could not read '{stored}' from '{file}' ({e}); the safetensors file is corrupt or "
+            raise UserError(f"Could not read '{name_in_file}' from '{file}' ({e}); the safetensors file is corrupt or "
                             "truncated.") from None
+        return StoredTensor(shape, read)
+
+    def get(name: str) -> np.ndarray:
+        return stored(name).full()
 
     # Gemma's and Qwen3.5's norms scale by (1 + weight); jaxspec's by weight: add the 1 here (GGUF files already
     # hold it).
     norm_offset = 1.0 if cfg.architecture in ("gemma3", "qwen3_5") else 0.0
     raw = {  # read when placed
-        "embed": lambda: get("embed_tokens.weight"),
-        "final_norm": lambda: get("norm.weight") + norm_offset,
-        "lm_head": None if cfg.tie_word_embeddings else lambda: get("lm_head.weight"),
+        "embed": stored("embed_tokens.weight"),
+        "final_norm": stored("norm.weight", norm_offset),
+        "lm_head": None if cfg.tie_word_embeddings else stored("lm_head.weight"),
     }
     names = dict(_HF_LAYER_NAMES)
     if cfg.sandwich_norms:
@@ -430,22 +471,17 @@ def load_hf_folder(folder: str, dtype=jnp.float32, mesh=None) -> tuple[ModelConf
         names.pop("q_norm"), names.pop("k_norm")
     if cfg.is_hybrid:  # one LayerWeights per layer; jaxspec runs these on one device (`mesh` is not used)
         def experts(i: int) -> dict:  # layer i's router and experts in GGUF's layout
-            return {key: read() for key, read in _hf_experts(get, where, f"layers.{i}.mlp.", cfg.num_experts).items()}
+            return {key: t.full() for key, t in _hf_experts(stored, where, f"layers.{i}.mlp.", cfg.num_experts).items()}
 
-        return cfg, _hybrid_layers(cfg, {k: None if v is None else v() for k, v in raw.items()}, get, experts,
+        return cfg, _hybrid_layers(cfg, {k: None if v is None else v.full() for k, v in raw.items()}, get, experts,
                                    norm_offset, dtype)
-
-    def lazy(name: str, offset: float):  # reads the tensor when called; a missing one is a clear error now
-        if name not in where:
-            get(name)
-        return lambda: get(name) + offset if offset else get(name)
 
     per_layer = []
     for i in range(cfg.num_layers):
-        layer = {key: lazy(f"layers.{i}.{name}", norm_offset if key in _NORMS else 0.0)
+        layer = {key: stored(f"layers.{i}.{name}", norm_offset if key in _NORMS else 0.0)
                  for key, name in names.items()}
         if cfg.num_experts:
-            layer.update(_hf_experts(get, where, f"layers.{i}.mlp.", cfg.num_experts))
+            layer.update(_hf_experts(stored, where, f"layers.{i}.mlp.", cfg.num_experts))
         per_layer.append(layer)
     return cfg, _assemble(cfg, raw, per_layer, dtype, mesh)
 
@@ -519,117 +555,199 @@ def _hybrid_layers(cfg: ModelConfig, raw: dict, get, experts, norm_offset: float
                    lm_head=None if lm_head is None else place(lm_head.T))
 
 
-def _hf_experts(get, names, prefix: str, num_experts: int) -> dict:
+def _hf_experts(stored, names, prefix: str, num_experts: int) -> dict:
     """One layer's router [E, d] and experts, stacked as GGUF stores them ([E, F, d] gate and up, [E, d, F] down),
     from the per-expert tensors of a Hugging Face checkpoint (experts.{e}.gate_proj.weight, ...) or from the fused
     ones transformers 5 holds in memory (experts.gate_up_proj [E, 2F, d], experts.down_proj [E, d, F]). Each value
-    is a function that reads its tensors when `_assemble` builds that field; `names` holds the checkpoint's tensor
-    names."""
-    out = {"router": lambda: get(prefix + "gate.weight")}
+    is a StoredTensor read in part when `_assemble` places that field (only the experts a device holds);
+    `stored(name)` gives one tensor of the checkpoint, whose tensor names `names` holds."""
+    out = {"router": stored(prefix + "gate.weight")}
     if prefix + "experts.gate_up_proj" in names:
+        gate_up = stored(prefix + "experts.gate_up_proj")  # [E, 2F, d]
+        e, f2, d = gate_up.shape
 
-        def half(second: bool):  # the fused tensor read for each of its halves: one of them on the host at a time
-            gate_up = get(prefix + "experts.gate_up_proj")
-            f = gate_up.shape[1] // 2
-            return np.ascontiguousarray(gate_up[:, f:] if second else gate_up[:, :f])
+        def half(second: bool) -> StoredTensor:  # [E, F, d]: the rows of one half of the fused tensor
+            def read(index):
+                start, stop, _ = index[1].indices(f2 // 2)
+                offset = f2 // 2 if second else 0
+                return gate_up.read((index[0], slice(start + offset, stop + offset), index[2]))
 
-        out.update(expert_gate=lambda: half(False), expert_up=lambda: half(True),
-                   expert_down=lambda: get(prefix + "experts.down_proj"))
+            return StoredTensor((e, f2 // 2, d), read)
+
+        out.update(expert_gate=half(False), expert_up=half(True), expert_down=stored(prefix + "experts.down_proj"))
         return out
     for key, name in (("expert_gate", "gate_proj"), ("expert_up", "up_proj"), ("expert_down", "down_proj")):
-        out[key] = lambda name=name: np.stack([get(f"{prefix}experts.{e}.{name}.weight") for e in range(num_experts)])
+        experts = [stored(f"{prefix}experts.{e}.{name}.weight") for e in range(num_experts)]
+
+        def read(index, experts=experts):  # [E, out, in]: only the experts in index[0]
+            return np.stack([experts[e].read(index[1:]) for e in range(*index[0].indices(num_experts))])
+
+        out[key] = StoredTensor((num_experts, *experts[0].shape), read)
     return out
 
 
 # ---------------------------------------------------------------------------------------------- common
 
 
-def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=None) -> Weights:
-    """Stacks per-layer [out, in] matrices (the HF/GGUF layout) into jaxspec's [L, in, ...] layout.
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """A checkpoint tensor, read in part when it is placed: `shape` as stored ([out, in] for a matrix) and
+    `read(index)`, the block stored[index] for a tuple of one slice per axis (float32, or the loaded dtype when the
+    file stores that one)."""
 
-    One field at a time: each is read (a per-layer value may be a function that reads its tensor only then),
-    stacked, placed as a jax array, and its host copies dropped (`raw` and the `per_layer` dicts are emptied as they
-    are read), so host memory stays near one stacked field, not the model (loading a 1.5B GGUF in float32 took
-    21 GB when everything was read first). `raw` values may be functions too. With `mesh`, each field is
-    cast to `dtype` on the host and sent straight to its shards (`jaxspec.sharding`'s layout): no device holds more
-    than its shards and no float32 copy reaches a device."""
+    shape: tuple[int, ...]
+    read: Callable[[tuple[slice, ...]], np.ndarray]
+
+    def full(self) -> np.ndarray:
+        return self.read(tuple(slice(None) for _ in self.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldView:
+    """How one stored tensor becomes (one layer of) a weight field: each stored axis split into `groups` (sizes,
+    e.g. a [n * h, d] query matrix as ((n, h), (d,))), then the split axes transposed by `perm`."""
+
+    groups: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+
+    @classmethod
+    def of(cls, shape, split: dict[int, tuple[int, ...]] | None = None, perm=None) -> FieldView:
+        """The view of a tensor of `shape` whose axis i splits into split[i] (the others kept), transposed by `perm`
+        (None: kept in order)."""
+        groups = tuple((split or {}).get(i, (size,)) for i, size in enumerate(shape))
+        return cls(groups, tuple(perm) if perm is not None else tuple(range(sum(map(len, groups)))))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        split = [size for group in self.groups for size in group]
+        return tuple(split[axis] for axis in self.perm)
+
+    def block(self, tensor: StoredTensor, index: tuple[slice, ...]) -> np.ndarray:
+        """The view's block at `index` (one slice per axis of `shape`), reading only the stored rows and columns it
+        needs: a slice of a split axis reads a contiguous range when it is whole on the axis's inner sizes (heads
+        split whole, as jaxspec's shardings do), else the whole stored axis."""
+        split_index = [slice(None)] * len(self.perm)  # [.] one slice per split axis
+        for out_axis, split_axis in enumerate(self.perm):
+            split_index[split_axis] = index[out_axis]
+        stored_index, block_shape, after = [], [], []
+        first = 0
+        for group in self.groups:
+            ranges = [split_index[first + i].indices(size) for i, size in enumerate(group)]
+            inner = math.prod(group[1:])
+            if ranges[0][2] == 1 and all(r == (0, size, 1) for r, size in zip(ranges[1:], group[1:])):
+                start, stop, _ = ranges[0]
+                stored_index.append(slice(start * inner, stop * inner))
+                block_shape += [stop - start, *group[1:]]
+                after += [slice(None)] * len(group)
+            else:
+                stored_index.append(slice(None))
+                block_shape += list(group)
+                after += split_index[first:first + len(group)]
+            first += len(group)
+        block = tensor.read(tuple(stored_index)).reshape(block_shape)[tuple(after)]
+        return block.transpose(self.perm)
+
+
+def _assemble(cfg: ModelConfig, raw: dict, per_layer: list[dict], dtype, mesh=None) -> Weights:
+    """Places per-layer [out, in] checkpoint tensors (the HF/GGUF layout, as StoredTensors) in jaxspec's [L, in, ...]
+    layout, one field at a time.
+
+    Without a mesh each field is read whole, stacked over the layers and placed. With `mesh` (`jaxspec.sharding`'s
+    layout), each device this process holds receives its block of the field, read from the checkpoint on its own:
+    only the layers, heads, columns and vocabulary rows that device holds, cast to `dtype` on the host (no float32
+    copy reaches a device, a bfloat16 checkpoint loaded in bfloat16 is never widened), one block on the host at a
+    time. So host memory stays near one device's block of one field, and on many hosts each process reads only what
+    its devices hold."""
     d, h = cfg.hidden_size, cfg.head_dim
     if mesh is not None:  # a mesh that does not divide the heads, widths or vocabulary: refused before any reading
         from jaxspec.sharding import check_divisible
 
         check_divisible(cfg, None, mesh)
 
-    def stack(key, transpose=False):  # [L, ...] (each layer's matrix transposed) or None; per-layer copies released
-        if key not in per_layer[0]:
+    def place(field: str, parts: list[StoredTensor] | None, view=None, in_layers: bool = True):
+        """The field from its stored tensors (one per layer, or one) seen through `view` (a function of the
+        stored shape; None: as stored)."""
+        if parts is None:
             return None
-        parts = []
-        for layer in per_layer:
-            value = layer.pop(key)
-            value = value() if callable(value) else value  # a loader reads the tensor only now
-            parts.append(value.T if transpose else value)
-        return np.stack(parts)
+        views = [view(part.shape) if view else FieldView.of(part.shape) for part in parts]
 
-    def place(x, field: str, in_layers: bool = True):
-        if x is None:
-            return None
+        def read_block(index: tuple[slice, ...]) -> np.ndarray:
+            if not in_layers:
+                return np.asarray(views[0].block(parts[0], index), dtype=dtype)
+            layers = range(*index[0].indices(len(parts)))
+            block = None  # [layers, ...] filled one layer at a time (a stack would hold every layer's part twice)
+            for i, layer in enumerate(layers):
+                part = views[layer].block(parts[layer], index[1:])
+                if block is None:
+                    block = np.empty((len(layers), *part.shape), jnp.dtype(dtype))
+                block[i] = part
+            return block
+
+        shape = (*((len(parts),) if in_layers else ()), *views[0].shape)
         if mesh is None:
-            return jnp.asarray(np.ascontiguousarray(x), dtype=dtype)
-        return _put_field(np.asarray(x, dtype=jnp.dtype(dtype)), mesh, field, in_layers)
+            return jnp.asarray(np.ascontiguousarray(read_block(tuple(slice(None) for _ in shape))), dtype=dtype)
+        return _place_field(shape, jnp.dtype(dtype), read_block, mesh, field, in_layers)
 
-    def read(key):
-        value = raw.pop(key)
-        return value() if callable(value) else value
+    def stored(key):  # the per-layer StoredTensors of one checkpoint tensor, or None
+        return [layer[key] for layer in per_layer] if key in per_layer[0] else None
 
-    def heads_in(w, n):  # [L, n*h, d] -> [L, d, n, h]
-        return w.reshape(cfg.num_layers, n, h, d).transpose(0, 3, 1, 2)
+    def heads_in(n):  # [n*h, d] -> [d, n, h]
+        return lambda shape: FieldView.of(shape, {0: (n, h)}, perm=(2, 0, 1))
 
-    def experts_last(w):  # [L, ..., out, in] -> [L, ..., in, out]
-        return None if w is None else np.swapaxes(w, -1, -2)
+    def transposed(shape):  # [out, in] -> [in, out]; [E, out, in] -> [E, in, out]
+        return FieldView.of(shape, perm=(*range(len(shape) - 2), len(shape) - 1, len(shape) - 2))
 
-    def per_head(w, n):  # [L, n*h] -> [L, n, h]
-        return None if w is None else w.reshape(cfg.num_layers, n, h)
+    def per_head(n):  # [n*h] -> [n, h]
+        return lambda shape: FieldView.of(shape, {0: (n, h)})
 
-    embed = read("embed")
-    expected_embed = (cfg.vocab_size, d)
-    if embed.shape != expected_embed:
-        raise UserError(f"Embedding has shape {embed.shape}, the config says {expected_embed}: they disagree.")
-    embed = place(embed, "embed", in_layers=False)
-    fields = {
-        "attn_norm": lambda: stack("attn_norm"),
-        "wq": lambda: heads_in(stack("wq"), cfg.num_heads),
-        "wk": lambda: heads_in(stack("wk"), cfg.num_kv_heads),
-        "wv": lambda: heads_in(stack("wv"), cfg.num_kv_heads),
-        "wo": lambda: stack("wo").reshape(cfg.num_layers, d, cfg.num_heads, h).transpose(0, 2, 3, 1),  # [L, Hq, h, d]
-        "mlp_norm": lambda: stack("mlp_norm"),
-        "w_gate": lambda: stack("w_gate", transpose=True),
-        "w_up": lambda: stack("w_up", transpose=True),
-        "w_down": lambda: stack("w_down", transpose=True),
-        "router": lambda: experts_last(stack("router")),  # [L, d, E]
-        "expert_gate": lambda: experts_last(stack("expert_gate")),  # [L, E, d, F]
-        "expert_up": lambda: experts_last(stack("expert_up")),
-        "expert_down": lambda: experts_last(stack("expert_down")),  # [L, E, F, d]
-        "bq": lambda: per_head(stack("bq"), cfg.num_heads),
-        "bk": lambda: per_head(stack("bk"), cfg.num_kv_heads),
-        "bv": lambda: per_head(stack("bv"), cfg.num_kv_heads),
-        "q_norm": lambda: stack("q_norm"),
-        "k_norm": lambda: stack("k_norm"),
-        "post_attn_norm": lambda: stack("post_attn_norm"),
-        "post_mlp_norm": lambda: stack("post_mlp_norm"),
+    embed_shape = raw["embed"].shape
+    if embed_shape != (cfg.vocab_size, d):
+        raise UserError(f"Embedding has shape {embed_shape}, the config says {(cfg.vocab_size, d)}: they disagree.")
+    layer_views = {
+        "attn_norm": None,
+        "wq": heads_in(cfg.num_heads),  # [L, d, Hq, h]
+        "wk": heads_in(cfg.num_kv_heads),
+        "wv": heads_in(cfg.num_kv_heads),
+        "wo": lambda shape: FieldView.of(shape, {1: (cfg.num_heads, h)}, perm=(1, 2, 0)),  # [L, Hq, h, d]
+        "mlp_norm": None,
+        "w_gate": transposed,  # [L, d, f]
+        "w_up": transposed,
+        "w_down": transposed,  # [L, f, d]
+        "router": transposed,  # [L, d, E]
+        "expert_gate": transposed,  # [L, E, d, F]
+        "expert_up": transposed,
+        "expert_down": transposed,  # [L, E, F, d]
+        "bq": per_head(cfg.num_heads),  # [L, Hq, h]
+        "bk": per_head(cfg.num_kv_heads),
+        "bv": per_head(cfg.num_kv_heads),
+        "q_norm": None,
+        "k_norm": None,
+        "post_attn_norm": None,
+        "post_mlp_norm": None,
     }
-    layers = LayerWeights(**{name: place(build(), name) for name, build in fields.items()})  # one field at a time
-    lm_head = read("lm_head")
+    lm_head = raw["lm_head"]
     return Weights(
-        embed=embed,
-        layers=layers,
-        final_norm=place(read("final_norm"), "final_norm", in_layers=False),
-        lm_head=None if lm_head is None else place(lm_head.T, "lm_head", in_layers=False),
+        embed=place("embed", [raw["embed"]], in_layers=False),  # [V, d]
+        layers=LayerWeights(**{name: place(name, stored(name), view) for name, view in layer_views.items()}),
+        final_norm=place("final_norm", [raw["final_norm"]], in_layers=False),
+        lm_head=None if lm_head is None else place("lm_head", [lm_head], transposed, in_layers=False),  # [d, V]
     )
 
 
-def _put_field(value: np.ndarray, mesh, field: str, in_layers: bool) -> jax.Array:
-    """One weight field (host array, final dtype) placed on `mesh` in `jaxspec.sharding`'s layout, each device
-    receiving only its slice (`put_on_mesh`, which also works on many hosts)."""
-    from jaxspec.sharding import put_on_mesh, weight_field_sharding
+def _place_field(shape: tuple[int, ...], dtype, read_block, mesh, field: str, in_layers: bool) -> jax.Array:
+    """One weight field of `shape` placed on `mesh` in `jaxspec.sharding`'s layout: each of this process's devices
+    receives the block `read_block(index)` of its slice (in `dtype`), read one block at a time (a block held
+    by several devices, replicated over the data axis, is read once and copied between devices)."""
+    from jaxspec.sharding import weight_field_sharding
 
-    return put_on_mesh(value, weight_field_sharding(mesh, field, value, in_layers))
+    sharding = weight_field_sharding(mesh, field, jax.ShapeDtypeStruct(shape, dtype), in_layers)
+    placed, by_block = [], {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape))
+        if key not in by_block:
+            by_block[key] = jax.device_put(read_block(index), device)
+            placed.append(by_block[key])
+        else:
+            placed.append(jax.device_put(by_block[key], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
 

@@ -39,9 +39,9 @@ def _config(data: str, out_dir: str) -> dict:
             "drafter": {"num_heads": 2, "choices": [[0], [1], [0, 0]], "positions_per_row": 8}}
 
 
-def _run(config: dict | None, out: str, processes: int, tmp_path) -> list[dict]:
+def _run(config: dict | None, out: str, processes: int, tmp_path, mode: str | None = None) -> list[dict]:
     """Runs this file's child in `processes` processes over 4 devices in all: training with `config`, or (None) the
-    generation of `_child_generate`. Returns each process's JSON."""
+    generation of `_child_generate` (or the `mode` given: "load"). Returns each process's JSON."""
     path = tmp_path / f"{os.path.basename(out)}.json"
     path.write_text(json.dumps(config))
     from fake_devices import fake_device_env
@@ -54,7 +54,8 @@ def _run(config: dict | None, out: str, processes: int, tmp_path) -> list[dict]:
                    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     # output to files, not pipes: a child blocked on a full pipe would never reach the others' shutdown barrier
     logs = [(open(f"{out}.{i}.out", "w+"), open(f"{out}.{i}.err", "w+")) for i in range(processes)]
-    children = [subprocess.Popen([sys.executable, __file__, "--child", "train" if config else "generate", str(path),
+    mode = mode or ("train" if config else "generate")
+    children = [subprocess.Popen([sys.executable, __file__, "--child", mode, str(path),
                                   out],
                                  env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT, stdout=logs[i][0], stderr=logs[i][1])
                 for i in range(processes)]
@@ -128,6 +129,47 @@ def test_speculative_generation_across_two_processes_equals_one(tmp_path):
     assert one[0]["tokens"]["prompt-lookup"] == one[0]["tokens"]["eagle3"] == one[0]["tokens"]["autoregressive"]
 
 
+def test_each_process_reads_only_the_slices_its_devices_hold(tmp_path):
+    """A target loaded onto a (data 2, model 2) mesh whose model axis spans the two processes (each holds one model
+    shard on both of its devices): each process reads about half the checkpoint (its heads, columns and vocabulary
+    rows; the norms whole), and its arrays hold the values of a plain load at their slices."""
+    one = _run(None, str(tmp_path / "load-one"), 1, tmp_path, mode="load")
+    two = _run(None, str(tmp_path / "load-two"), 2, tmp_path, mode="load")
+    assert one[0]["equal"] and two[0]["equal"] and two[1]["equal"]
+    model_bytes = one[0]["model_bytes"]
+    assert one[0]["read_bytes"] == model_bytes  # one process holds every slice: the checkpoint read once
+    for r in two:
+        assert 0.5 * model_bytes <= r["read_bytes"] <= 0.55 * model_bytes, r
+    assert two[0]["read_bytes"] + two[1]["read_bytes"] > model_bytes  # the replicated norms read by both
+
+
+def _child_load() -> None:
+    """Loads tiny-llama3 onto a (data 2, model 2) mesh with the model axis across processes; prints the bytes read
+    and whether every array this process holds equals a plain load at its slice."""
+    import jax
+    from checkpoint_reads import counting_checkpoint_reads
+    from conftest import fixture_path
+
+    from jaxspec import load_model
+    from jaxspec.arguments import join_distributed
+    from jaxspec.sharding import make_mesh
+
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        join_distributed()
+    by_process = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    half = len(by_process) // 2  # rows (data) of the mesh: device i of every process, so each process holds one column
+    devices = [by_process[i + column * half] for i in range(half) for column in range(2)]
+    mesh = make_mesh(2, 2, devices=devices)
+    plain = load_model(fixture_path("tiny-llama3"), with_tokenizer=False).weights
+    with counting_checkpoint_reads() as count:
+        on_mesh = load_model(fixture_path("tiny-llama3"), with_tokenizer=False, mesh=mesh).weights
+    equal = all(np.array_equal(np.asarray(shard.data), np.asarray(whole)[shard.index])
+                for x, whole in zip(jax.tree.leaves(on_mesh), jax.tree.leaves(plain), strict=True)
+                for shard in x.addressable_shards)
+    print(json.dumps({"process": jax.process_index(), "equal": equal, "read_bytes": count["read"],
+                      "model_bytes": sum(x.nbytes for x in jax.tree.leaves(plain))}))
+
+
 def _child_generate() -> None:
     import jax
     from conftest import fixture_path
@@ -183,5 +225,7 @@ if __name__ == "__main__" and "--child" in sys.argv:
     mode, *rest = sys.argv[sys.argv.index("--child") + 1:]
     if mode == "train":
         _child(*rest)
+    elif mode == "load":
+        _child_load()
     else:
         _child_generate()
