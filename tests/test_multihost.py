@@ -107,9 +107,9 @@ def test_two_processes_train_like_one(data_with_features, tmp_path):
 def test_two_processes_train_with_the_target_split_like_one(data_with_features, tmp_path):
     """mesh data=2, model=2 over the two processes: each loads the frozen target straight onto its devices' shards
     (`load_model(..., mesh=)`, which builds the global arrays from each process's own slices), and the run ends with
-    the parameters of one 4-device process."""
+    the parameters of one 4-device process; the held-out evaluation runs on the mesh too, every process taking part,
+    and gives one process's tau."""
     config = dict(_config(data_with_features, ""), mesh={"data": 2, "model": 2})
-    config["run"] = dict(config["run"], eval_every=0)  # refused with a split target on several processes
     one = _run(dict(config, run=dict(config["run"], out_dir=str(tmp_path / "one-tp"))), str(tmp_path / "one-tp"), 1,
                tmp_path)
     two = _run(dict(config, run=dict(config["run"], out_dir=str(tmp_path / "two-tp"))), str(tmp_path / "two-tp"), 2,
@@ -118,6 +118,7 @@ def test_two_processes_train_with_the_target_split_like_one(data_with_features, 
     for a, b, c in zip(one[0]["params"], two[0]["params"], two[1]["params"], strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+    assert one[0]["eval_tau"] is not None and two[0]["eval_tau"] == one[0]["eval_tau"]
 
 
 def test_speculative_generation_across_two_processes_equals_one(tmp_path):

@@ -262,10 +262,14 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     opt_state = optimizer.init(params)
     layers = tuple(trainable.target_layers(method_cfg, target.config))
 
-    if split_target and jax.process_count() > 1 and run.eval_every:
-        raise UserError("run.eval_every: the acceptance evaluation does not run yet with the target split over "
-                        "processes (mesh.model > 1 on several hosts); set run.eval_every=0 and evaluate the saved "
-                        "drafter with `jaxspec bench --drafter ...`.")
+    eval_mesh = mesh if split_target else None  # a split target evaluates where it lies (every process takes part)
+    if eval_mesh is not None and run.eval_every:
+        from jaxspec.pipeline import PipelineDrafter
+
+        if isinstance(trainable.make_drafter(method_cfg), PipelineDrafter):
+            raise UserError("run.eval_every: a pipeline drafter's evaluation does not run with the target split over "
+                            "the model axis (mesh.model > 1); set run.eval_every=0 and evaluate the saved drafter "
+                            "with `jaxspec bench --drafter ...`.")
     if run.batch_size % config.mesh.data:
         raise UserError(f"run.batch_size={run.batch_size} is not a multiple of mesh.data={config.mesh.data}.")
     replicated, batch_sharded = _shardings(mesh)
@@ -354,7 +358,10 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
                           force=step == run.steps)
         if run.eval_every and (step % run.eval_every == 0 or step == run.steps):
             eval_prompts = dataset.held_out_prompts(held_out)[: run.eval_prompts]
-            tau_value = evaluate_tau(trainable, method_cfg, _this_process(params), target, eval_prompts)
+            if eval_mesh is not None:  # rows split over the data axis: a multiple of its size
+                eval_prompts = eval_prompts[: len(eval_prompts) // config.mesh.data * config.mesh.data]
+            tau_value = evaluate_tau(trainable, method_cfg, params if eval_mesh else _this_process(params), target,
+                                     eval_prompts, eval_mesh)
             if main_process:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps({"step": step, "eval_tau": tau_value}) + "\n")
@@ -389,8 +396,9 @@ def _this_process(params):
     return jax.tree.map(lambda x: x.addressable_data(0), params)
 
 
-def evaluate_tau(trainable, method_cfg, params, target, prompts: list[list[int]]) -> float:
-    """Greedy tau of the drafter on held-out prompts (never trained on); L'acc for a pipeline drafter."""
+def evaluate_tau(trainable, method_cfg, params, target, prompts: list[list[int]], mesh=None) -> float:
+    """Greedy tau of the drafter on held-out prompts (never trained on); L'acc for a pipeline drafter. mesh: the
+    training mesh when the target lies split over its model axis (the generation runs there, on every process)."""
     from jaxspec.speculative import speculative_generate
 
     if not prompts:
@@ -401,7 +409,8 @@ def evaluate_tau(trainable, method_cfg, params, target, prompts: list[list[int]]
     if isinstance(drafter, PipelineDrafter):  # SPD: the equivalent acceptance length L'acc = alpha * n
         return pipeline_generate(target.weights, target.config, drafter, params, prompts,
                                  max_new_tokens=64).equivalent_acceptance
-    result = speculative_generate(target.weights, target.config, drafter, params, prompts, max_new_tokens=64)
+    result = speculative_generate(target.weights, target.config, drafter, params, prompts, max_new_tokens=64,
+                                  mesh=mesh)
     return result.tau
 
 
