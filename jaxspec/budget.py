@@ -476,15 +476,43 @@ def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: 
     return 1.0 + float(accepted.mean())
 
 
+def expected_tokens_sampled(mass: np.ndarray, shape: TreeShape) -> float:
+    """Expected tokens a sampled round (T > 0) yields, from the target's measured probabilities of the head's
+    candidates (`jaxspec.drafters.eagle.draft_statistics`).
+
+    mass: float[P, D, K]: at P positions, the target's probability of the head's top-k step-j candidates together
+    (k = 1..K). The children of a node are the head's top-k tokens, drafted deterministically, so one of them is
+    kept with exactly their probability mass under the target; a chain keeps depth j with the product of its
+    levels' top-1 masses, a full depth-2 tree with m1 + m1 * m2 of its top_k masses. The masses of deeper levels
+    are measured after the text's own tokens (teacher forcing), an approximation when the kept child differs from
+    them. Shapes with a prompt-lookup chain, and shapes that are neither chains nor full trees, are refused.
+    """
+    mass = np.asarray(mass, np.float64)
+    if mass.ndim != 3 or mass.shape[1] < shape.depth or mass.shape[2] < shape.top_k or len(mass) == 0:
+        raise UserError(f"Measured draft masses of shape {mass.shape} do not cover depth {shape.depth} and "
+                        f"top_k {shape.top_k}.")
+    if shape.lookup:
+        raise UserError(f"{shape} merges a prompt-lookup chain, whose acceptance at T > 0 is not modelled.")
+    chain = shape.top_k == 1 and shape.num_nodes == shape.depth
+    full_tree = (shape.depth == 1 and shape.num_nodes == shape.top_k) or (
+        shape.depth == 2 and shape.num_nodes == shape.top_k + shape.top_k ** 2)
+    if not (chain or full_tree):
+        raise UserError(f"{shape} is neither a chain nor a full depth-2 tree; its acceptance is not modelled.")
+    levels = mass[:, : shape.depth, shape.top_k - 1]  # [P, depth]: a level kept given the one above was
+    return 1.0 + float(np.cumprod(levels, axis=1).sum(axis=1).mean())
+
+
 def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: Callable[[int, TreeShape], float],
-                shapes: Sequence[TreeShape] = TREE_SHAPES,
-                lookup_runs: np.ndarray | None = None) -> tuple[TreeShape, list[dict]]:
+                shapes: Sequence[TreeShape] = TREE_SHAPES, lookup_runs: np.ndarray | None = None,
+                draft_mass: np.ndarray | None = None) -> tuple[TreeShape, list[dict]]:
     """The EAGLE tree shape with the highest expected throughput at this batch size, and the table behind it.
 
     throughput = batch * tau(shape) / (cost.verify_seconds(batch, nodes + 1) + draft_seconds(batch, shape)), with
-    tau from the drafter's measured ranks and, for shapes with a prompt-lookup chain, the measured `lookup_runs`
-    (`expected_tokens_per_round`; without them those shapes are left out). Each row also gives the expected speedup
-    over plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s).
+    tau at T=0 from the drafter's measured ranks and, for shapes with a prompt-lookup chain, the measured
+    `lookup_runs` (`expected_tokens_per_round`; without them those shapes are left out); for a sampled run (T > 0)
+    pass `draft_mass`: tau then comes from the target's probabilities of the head's candidates
+    (`expected_tokens_sampled`) and the lookup shapes are left out. Each row also gives the expected speedup over
+    plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s).
 
     Returns:
         (chosen shape, rows): one dict per shape with "shape", "tau", "verify_seconds", "draft_seconds",
@@ -494,14 +522,18 @@ def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: C
         raise UserError(f"The batch size must be at least 1 to choose a tree; got {batch}.")
     if not shapes:
         raise UserError("No candidate tree shapes were given.")
-    if lookup_runs is None:
+    if lookup_runs is None or draft_mass is not None:
         shapes = [s for s in shapes if not s.lookup]
         if not shapes:
-            raise UserError("Every candidate shape merges a prompt-lookup chain, and no lookup runs were measured.")
+            raise UserError("Every candidate shape merges a prompt-lookup chain, and its acceptance is not measured "
+                            "(no lookup runs, or a sampled run).")
     plain = batch / cost.verify_seconds(batch, 1)
     rows = []
     for shape in shapes:
-        tau = expected_tokens_per_round(ranks, shape, lookup_runs)
+        if draft_mass is not None:
+            tau = expected_tokens_sampled(draft_mass, shape)
+        else:
+            tau = expected_tokens_per_round(ranks, shape, lookup_runs)
         verify = cost.verify_seconds(batch, shape.verified_nodes + 1)
         draft = float(draft_seconds(batch, shape))
         speed = batch * tau / (verify + draft)

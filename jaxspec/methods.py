@@ -72,6 +72,9 @@ class Method:
     # and how many tokens of a prompt-lookup chain the target keeps at the same positions, int[P]
     # (jaxspec.drafters.prompt_lookup.lookup_runs), for the shapes that merge one into the tree
     lookup_runs: Any = None
+    # and at T > 0: the target's probability of the head's top-k candidates at those positions and depths, float[P, D,
+    # K] (jaxspec.drafters.eagle.draft_statistics)
+    draft_mass: Any = None
     # the device mesh: a (data, model) mesh for every method given --mesh; for ppsd/spd the 'stage' mesh of
     # --stage-devices. None: one device.
     mesh: Any = None
@@ -99,10 +102,11 @@ class Method:
         costed as one target layer per head forward (each of the `depth` steps over top_k nodes, and the absorbing
         of the last round's nodes + 1 pairs).
 
-        The acceptance model is that of T=0 (ranks along greedy text). With sampling (greedy False) the shapes with a
-        prompt-lookup chain are left out: a sampled round keeps a draft with the target's probability of it, which
-        the greedy runs do not measure, and at T=1 the chain cost more than it gave on MT-Bench and GSM8K (the
-        README's results of 2026-12-05); the head-only shapes keep the T=0 model as before."""
+        The acceptance model at T=0 comes from the head's ranks along greedy text (and the lookup chain's runs); with
+        sampling (greedy False) from the target's probabilities of the head's top-k candidates (`draft_mass`: a
+        sampled round keeps one of a node's children with their probability mass), measured at temperature 1, and
+        the shapes with a prompt-lookup chain are left out (their acceptance at T > 0 is not modelled; at T=1 the
+        chain cost more than it gave on MT-Bench and GSM8K, the README's results of 2026-12-05)."""
         from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, load_or_measure_cost_model
 
         if batch not in self.cost_model.batch_sizes:  # measured at the batch sizes in use, once per device
@@ -116,7 +120,8 @@ class Method:
             return (steps + absorb) / layers
 
         return choose_tree(cost, batch, self.tree_ranks, draft_seconds,
-                           lookup_runs=self.lookup_runs if greedy else None)
+                           lookup_runs=self.lookup_runs if greedy else None,
+                           draft_mass=None if greedy else self.draft_mass)
 
     def auto_table(self, batch: int, greedy: bool = True) -> tuple[str, str, list[dict]]:
         """(what was chosen, the table as text, its rows) of --budget auto at this batch size (greedy: see
@@ -282,7 +287,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
     if options.lookup_tokens:  # by hand: the head's tree as given (or the drafter's) plus the lookup chain
         drafter = dataclasses.replace(drafter, num_nodes=drafter.num_nodes + options.lookup_tokens,
                                       lookup_depth=options.lookup_tokens)
-    cost_model = tree_ranks = lookup_runs = None
+    cost_model = tree_ranks = lookup_runs = draft_mass = None
     auto = options.budget == "auto" or (dynamic_tree and not options.tree_by_hand and options.mesh is None)
     static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
     if dynamic_tree and options.budget == "auto" and static_tree:
@@ -295,14 +300,14 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
         folder = options.drafter if options.drafter != "untrained" else None
         folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
-        tree_ranks, lookup_runs = measured_draft_ranks(target, drafter, params, folder)
+        tree_ranks, lookup_runs, draft_mass = measured_draft_ranks(target, drafter, params, folder)
     elif auto and spec.auto == "budget":
         from jaxspec.budget import load_or_measure_cost_model
 
         # token counts up to the largest auto budget + 1 (the root)
         cost_model = load_or_measure_cost_model(target, token_counts=(1, 9, 17, 33, 65))
     return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
-                  tree_ranks=tree_ranks, lookup_runs=lookup_runs)
+                  tree_ranks=tree_ranks, lookup_runs=lookup_runs, draft_mass=draft_mass)
 
 
 def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
@@ -495,6 +500,7 @@ CALIBRATION_TOKENS = 96
 CALIBRATION_DEPTH = 6  # the deepest tree shape measured (jaxspec.budget.TREE_SHAPES)
 CALIBRATION_LOOKUP = 6  # the longest prompt-lookup chain measured (its runs are capped there)
 CALIBRATION_NGRAM = 3  # the lookup's longest n-gram (Eagle3Drafter.lookup_ngram's default)
+CALIBRATION_TOP_K = 4  # the widest level whose target probability mass is measured (sampled rounds)
 
 
 DRAFT_RANKS_FILE = "draft-ranks.npz"  # in a drafter folder: its measured ranks (see `save_draft_ranks`)
@@ -505,14 +511,16 @@ def _calibration_digest() -> str:
     import hashlib
 
     text = json.dumps([CALIBRATION_PROMPTS, CALIBRATION_TOKENS, CALIBRATION_DEPTH, CALIBRATION_LOOKUP,
-                       CALIBRATION_NGRAM])
+                       CALIBRATION_NGRAM, CALIBRATION_TOP_K])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | None = None) -> tuple[Any, Any]:
-    """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P]): an EAGLE head's ranks of the target's tokens along the
-    target's own greedy answers to CALIBRATION_PROMPTS (`jaxspec.drafters.eagle.draft_ranks`), and how many tokens of
-    a prompt-lookup chain the target keeps at the same positions (`jaxspec.drafters.prompt_lookup.lookup_runs`).
+def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | None = None) -> tuple[Any, Any, Any]:
+    """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P], mass float[P, CALIBRATION_DEPTH, CALIBRATION_TOP_K]): an
+    EAGLE head's ranks of the target's tokens along the target's own greedy answers to CALIBRATION_PROMPTS and the
+    target's probabilities of its top-k candidates (`jaxspec.drafters.eagle.draft_statistics`: what rounds keep at
+    T=0 and at T > 0), and how many tokens of a prompt-lookup chain the target keeps at the same positions at T=0
+    (`jaxspec.drafters.prompt_lookup.lookup_runs`).
 
     Read from the drafter's folder when it holds them for this head and target (`save_draft_ranks`; the shipped
     drafter does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the
@@ -529,20 +537,20 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
                 same = (str(f["target"]) == target.fingerprint() and str(f["calibration"]) == _calibration_digest()
                         and str(f["head"]) == head)
                 if same and f["ranks"].ndim == 2 and f["ranks"].shape[1] == CALIBRATION_DEPTH:
-                    return f["ranks"], f["lookup_runs"]
+                    return f["ranks"], f["lookup_runs"], f["draft_mass"]
         except (OSError, ValueError, KeyError):
             pass  # unreadable, or of another head or target (a retrained head in the same folder): measured below
     path = os.path.join(cache_folder(), f"draft-ranks-{head}-{_calibration_digest()}.npz")
     if os.path.isfile(path):
         try:
             with np.load(path) as f:
-                return f["ranks"], f["lookup_runs"]
+                return f["ranks"], f["lookup_runs"], f["draft_mass"]
         except (OSError, ValueError, KeyError):
             pass
-    ranks, runs = _measure_draft_ranks(target, drafter, params)
+    ranks, runs, mass = _measure_draft_ranks(target, drafter, params)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.savez(path, ranks=ranks, lookup_runs=runs)
-    return ranks, runs
+    np.savez(path, ranks=ranks, lookup_runs=runs, draft_mass=mass)
+    return ranks, runs, mass
 
 
 def _head_digest(target: LoadedModel, params) -> str:
@@ -564,16 +572,16 @@ def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
     import numpy as np
 
     path = os.path.join(folder, DRAFT_RANKS_FILE)
-    ranks, runs = _measure_draft_ranks(target, drafter, params)
-    np.savez(path, ranks=ranks, lookup_runs=runs, target=target.fingerprint(), calibration=_calibration_digest(),
-             head=_head_digest(target, params))
+    ranks, runs, mass = _measure_draft_ranks(target, drafter, params)
+    np.savez(path, ranks=ranks, lookup_runs=runs, draft_mass=mass, target=target.fingerprint(),
+             calibration=_calibration_digest(), head=_head_digest(target, params))
     return path
 
 
 def _measure_draft_ranks(target: LoadedModel, drafter, params):
     import numpy as np
 
-    from jaxspec.drafters.eagle import draft_ranks
+    from jaxspec.drafters.eagle import draft_statistics
     from jaxspec.drafters.prompt_lookup import lookup_runs
     from jaxspec.tokenizer import encode_prompt
 
@@ -588,6 +596,7 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     for row, (p, a) in enumerate(zip(prompts, answers)):
         tokens[row, : lengths[row]] = p + a
     starts = np.array([len(p) for p in prompts])  # [R]
-    ranks = draft_ranks(params, target.weights, target.config, drafter.target_layers, tokens, lengths, starts,
-                        CALIBRATION_DEPTH, head_cfg=drafter.head_config(target.config))  # [P, D]
-    return ranks, lookup_runs(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM)  # [P]
+    ranks, mass = draft_statistics(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
+                                   starts, CALIBRATION_DEPTH, CALIBRATION_TOP_K,
+                                   head_cfg=drafter.head_config(target.config))  # [P, D], [P, D, K]
+    return ranks, lookup_runs(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM), mass  # [P] runs

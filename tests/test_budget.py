@@ -249,6 +249,46 @@ def test_choose_tree_picks_the_argmax_of_its_own_throughput_model():
         choose_tree(cost, 0, ranks, draft)
 
 
+def test_sampled_rounds_follow_the_target_mass_of_the_candidates():
+    """At T > 0 (`draft_mass` given) a shape's tau is 1 + the mean over positions of the sum over depths of the
+    product of its levels' top_k masses (a chain: top-1 masses; a full depth-2 tree: m1 + m1 m2), the lookup shapes
+    are left out, and the chooser takes the argmax of throughput under that model: on a device where extra tokens
+    are free, a wide tree (the target spreads its probability over the head's top candidates); where each costs
+    as much as a step, the cheapest useful round."""
+    from jaxspec.budget import TREE_SHAPES, TreeShape, choose_tree, expected_tokens_sampled
+
+    rng = np.random.default_rng(1)
+    top1 = rng.uniform(0.1, 0.5, (300, 6))  # [P, D]
+    mass = np.cumsum(np.stack([top1] + [top1 * 0.6 ** k for k in range(1, 4)], axis=2), axis=2)  # [P, D, 4]
+    ranks = np.zeros((300, 6), np.int64)  # at T=0 every draft would be kept: the sampled model must not use them
+    assert expected_tokens_sampled(mass, TreeShape(3, 1, 3)) == pytest.approx(
+        1 + np.mean(top1[:, 0] + top1[:, 0] * top1[:, 1] + top1[:, 0] * top1[:, 1] * top1[:, 2]))
+    assert expected_tokens_sampled(mass, TreeShape(2, 3, 12)) == pytest.approx(
+        1 + np.mean(mass[:, 0, 2] + mass[:, 0, 2] * mass[:, 1, 2]))
+    assert expected_tokens_sampled(mass, TreeShape(1, 2, 2)) == pytest.approx(1 + np.mean(mass[:, 0, 1]))
+    with pytest.raises(UserError, match="prompt-lookup"):
+        expected_tokens_sampled(mass, TreeShape(2, 1, 2, 3))
+    with pytest.raises(UserError, match="neither a chain nor a full"):
+        expected_tokens_sampled(mass, TreeShape(2, 2, 4))
+    counts = [1, 2, 3, 4, 5, 7, 13, 21]
+
+    def draft(rows, shape):
+        return 1e-4 * shape.depth
+
+    runs = np.full(300, 5)  # [P]: lookup runs, which a sampled round's model must leave out
+    for per_token, expect_wide in ((0.0, True), (10.0, False)):  # ms per extra token on top of 10 ms
+        cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                         seconds=[[1e-2 + 1e-3 * per_token * (t - 1) for t in counts]])
+        shape, rows = choose_tree(cost, 1, ranks, draft, lookup_runs=runs, draft_mass=mass)
+        head_only = [s for s in TREE_SHAPES if not s.lookup]
+        assert [r["shape"] for r in rows] == head_only
+        by_hand = [expected_tokens_sampled(mass, s) / (cost.verify_seconds(1, s.num_nodes + 1) + 1e-4 * s.depth)
+                   for s in head_only]
+        assert [r["tokens_per_second"] for r in rows] == pytest.approx(by_hand)
+        assert shape == head_only[int(np.argmax(by_hand))]
+        assert (shape.top_k > 1) == expect_wide and (expect_wide or shape.num_nodes <= 2)
+
+
 def test_compilation_cache_folder_follows_the_settings(tmp_path):
     """`enable_compilation_cache` in fresh processes (it changes a process-wide JAX option): the jaxspec cache folder
     by default, a folder the user gave JAX kept, off with JAXSPEC_COMPILATION_CACHE=0; and a program compiled once

@@ -577,37 +577,40 @@ def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeyp
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
     measured = np.full((3, methods.CALIBRATION_DEPTH), 7)  # [P, D]
     runs = np.array([0, 2, 5])  # [P]: the prompt-lookup runs at the same positions
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured, runs))
+    mass = np.full((3, methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K), 0.25)  # [P, D, K]
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured, runs, mass))
     stored = np.arange(2 * methods.CALIBRATION_DEPTH).reshape(2, -1)  # [P, D]
     stored_runs = np.array([1, 3])
+    stored_mass = np.full((2, methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K), 0.5)
     path = tmp_path / methods.DRAFT_RANKS_FILE
     params = {"w": np.zeros(3)}
     head = methods._head_digest(model, params)
 
     def read(p=params):
-        ranks, lookup = methods.measured_draft_ranks(model, None, p, str(tmp_path))
-        return ranks.tolist(), lookup.tolist()
+        ranks, lookup, probability_mass = methods.measured_draft_ranks(model, None, p, str(tmp_path))
+        return ranks.tolist(), lookup.tolist(), probability_mass.tolist()
 
+    np.savez(path, ranks=stored, lookup_runs=stored_runs, draft_mass=stored_mass, target=model.fingerprint(),
+             calibration=methods._calibration_digest(), head=head)
+    assert read() == (stored.tolist(), stored_runs.tolist(), stored_mass.tolist())
+    np.savez(path, ranks=stored, lookup_runs=stored_runs, draft_mass=stored_mass, target="another target",
+             calibration=methods._calibration_digest(), head=head)
+    assert read() == (measured.tolist(), runs.tolist(), mass.tolist())
     np.savez(path, ranks=stored, lookup_runs=stored_runs, target=model.fingerprint(),
              calibration=methods._calibration_digest(), head=head)
-    assert read() == (stored.tolist(), stored_runs.tolist())
-    np.savez(path, ranks=stored, lookup_runs=stored_runs, target="another target",
-             calibration=methods._calibration_digest(), head=head)
-    assert read() == (measured.tolist(), runs.tolist())
-    np.savez(path, ranks=stored, target=model.fingerprint(), calibration=methods._calibration_digest(), head=head)
-    assert read() == (measured.tolist(), runs.tolist())  # a file of before the lookup runs: measured (cached)
+    assert read() == (measured.tolist(), runs.tolist(), mass.tolist())  # a file of before the masses: measured
     assert methods.save_draft_ranks(str(tmp_path), model, None, params) == str(path)  # writes `measured`
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured + 1, runs + 1))
-    assert read() == (measured.tolist(), runs.tolist())
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured + 1, runs + 1, mass / 2))
+    assert read() == (measured.tolist(), runs.tolist(), mass.tolist())
     retrained = {"w": np.ones(3)}  # another head in the same folder: its own ranks, not the stored ones
-    assert read(retrained) == ((measured + 1).tolist(), (runs + 1).tolist())
+    assert read(retrained) == ((measured + 1).tolist(), (runs + 1).tolist(), (mass / 2).tolist())
 
 
 def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
     """`draft_ranks` (the head fed the true tokens) predicts exactly how many drafts each round of a real greedy
     chain run accepts: the run's rounds start at roots t_0 = prompt end, t_{k+1} = t_k + accepted_k + 1, and at
     each the accepted count is the number of leading rank-0 steps (capped at the depth). Shipped EAGLE-3 head."""
-    from jaxspec.drafters.eagle import draft_ranks
+    from jaxspec.drafters.eagle import draft_ranks, draft_statistics
     from jaxspec.methods import MethodOptions, build_method
     from jaxspec.tokenizer import encode_prompt
 
@@ -629,6 +632,18 @@ def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
         root += accepted + 1
         checked += 1
     assert checked >= 10 and sum(run.accepted[0]) > 0  # the head does accept: the check has teeth
+    # what a sampled round keeps (`draft_statistics`): the target's probability of the head's top-k candidates,
+    # a probability growing with k; where the head's first candidate is the target's greedy token (rank 0) that
+    # token has the largest probability, so it holds at least as much as the second candidate (a check that the
+    # masses are read at the column that predicts the drafted token)
+    same_ranks, mass = draft_statistics(method.params, smollm2.weights, smollm2.config, method.drafter.target_layers,
+                                        np.array([text]), np.array([len(text)]), np.array([len(prompt)]), depth, 2)
+    assert np.array_equal(same_ranks, ranks) and mass.shape == (len(ranks), depth, 2)
+    assert np.all((mass >= 0) & (mass <= 1 + 1e-6)) and np.all(mass[..., 1] >= mass[..., 0])
+    greedy_first = ranks == 0  # [P, depth]
+    assert greedy_first.sum() >= 10
+    assert np.all(mass[..., 0][greedy_first] >= (mass[..., 1] - mass[..., 0])[greedy_first] - 1e-6)
+    assert np.mean(mass[..., 0][greedy_first]) > np.mean(mass[..., 0][ranks[:, :] > 0]) + 0.1
 
 
 def test_lookup_runs_and_ranks_predict_each_round_of_a_real_merged_tree(smollm2):

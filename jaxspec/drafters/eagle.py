@@ -862,16 +862,41 @@ def draft_ranks(params: Eagle3Params, target_weights: Weights, target_cfg: Model
         int64[P, depth], one row per measured position; NOT_DRAFTABLE where the token is not in the draft
         vocabulary or lies beyond the row's text.
     """
+    return draft_statistics(params, target_weights, target_cfg, feature_layers, tokens, lengths, response_starts,
+                            depth, 0, head_cfg)[0]
+
+
+def draft_statistics(params: Eagle3Params, target_weights: Weights, target_cfg: ModelConfig,
+                     feature_layers: tuple[int, ...], tokens: np.ndarray, lengths: np.ndarray,
+                     response_starts: np.ndarray, depth: int, top_k: int,
+                     head_cfg: ModelConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`draft_ranks`, and what a sampled round (T > 0) keeps: at the same positions and depths, the target's
+    probability (at temperature 1) of the head's top 1, 2, ... `top_k` candidates together.
+
+    A round drafts the head's top-k children deterministically, and the acceptance rule keeps one of them with
+    exactly the target's probability of that set (`jaxspec.verification`: a point-mass draft is accepted with
+    probability r(x), and a rejection removes x from r), so these masses are the acceptance probabilities of a
+    sampled round's levels, measured along the target's greedy text (`jaxspec.budget.expected_tokens_sampled`).
+
+    Returns:
+        (ranks int64[P, depth], mass float64[P, depth, top_k]: mass[p, j, k - 1] the target's probability of the
+        head's top-k step-j candidates, 0 past the row's text).
+    """
     toks = np.asarray(tokens, np.int64)  # [R, S]
     r, s = toks.shape
     d2t = np.asarray(draft_to_target(params))  # [Vd]
     t2d = np.full(target_cfg.vocab_size, -1, np.int64)  # [V]: draft id of each target id, -1 if none
     t2d[d2t] = np.arange(len(d2t))
     ranks = np.full((r, s, depth), NOT_DRAFTABLE, np.int64)  # [R, S, depth]
+    mass = np.zeros((r, s, depth, top_k))  # [R, S, depth, K]
     for row in range(r):  # one row at a time: [depth, S, Vd] logits at most
-        logits = np.asarray(_chain_logits(params, target_weights, target_cfg, head_cfg or target_cfg,
-                                          tuple(feature_layers), jnp.asarray(toks[row: row + 1], jnp.int32),
-                                          depth))[:, 0]  # [depth, S, Vd]
+        head_logits, target_logits = _chain_logits(params, target_weights, target_cfg, head_cfg or target_cfg,
+                                                   tuple(feature_layers), jnp.asarray(toks[row: row + 1], jnp.int32),
+                                                   depth)
+        logits = np.asarray(head_logits)[:, 0]  # [depth, S, Vd]
+        if top_k:
+            probs = np.asarray(jax.nn.softmax(target_logits[0].astype(jnp.float32), axis=-1))  # [S, V]
+            top = d2t[np.argsort(-logits, axis=-1, kind="stable")[..., :top_k]]  # [depth, S, K] target ids
         for j in range(depth):  # column t predicts token t + j + 2
             wanted = np.full(s, -1, np.int64)  # [S]
             wanted[: max(s - j - 2, 0)] = t2d[toks[row, j + 2:]]
@@ -879,18 +904,23 @@ def draft_ranks(params: Eagle3Params, target_weights: Weights, target_cfg: Model
             rank = (logits[j] > own).sum(-1)  # [S]
             beyond = np.arange(s) + j + 2 >= lengths[row]
             ranks[row, :, j] = np.where((wanted < 0) | beyond, NOT_DRAFTABLE, rank)
+            if top_k:  # the target's probabilities at column t + j + 1 (predicting token t + j + 2)
+                at = np.minimum(np.arange(s) + j + 1, s - 1)  # [S]
+                picked = np.take_along_axis(probs[at], top[j], axis=-1)  # [S, K]
+                mass[row, :, j] = np.where(beyond[:, None], 0.0, np.cumsum(picked, axis=-1))
     # the first round's root is the first generated token (index response_start), so t runs from
     # response_start - 1 to the last column with a token to predict
     cols = np.arange(s)[None, :]
     measured = (cols >= np.asarray(response_starts)[:, None] - 1) & (cols + 2 < np.asarray(lengths)[:, None])
-    return ranks[measured].astype(np.int64)
+    return ranks[measured].astype(np.int64), mass[measured]
 
 
 @functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "feature_layers", "depth"))
 def _chain_logits(params, target_weights, target_cfg, head_cfg, feature_layers, tokens, depth):
-    """tokens: int32[R, S] -> [depth, R, S, Vd]: the head's step-j logits fed the true tokens (`ttt_logits`)."""
+    """tokens: int32[R, S] -> ([depth, R, S, Vd] the head's step-j logits fed the true tokens (`ttt_logits`),
+    [R, S, V] the target's logits)."""
     r, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))  # [R, S]
-    out = forward(target_weights, target_cfg, tokens, positions, hidden_layers=feature_layers, compute_logits=False)
+    out = forward(target_weights, target_cfg, tokens, positions, hidden_layers=feature_layers)
     feats = fuse_features(params, out.hidden, head_cfg.rms_norm_eps)  # [R, S, d]
-    return jnp.stack(ttt_logits(params, head_cfg, target_weights.embed, tokens, feats, depth))
+    return jnp.stack(ttt_logits(params, head_cfg, target_weights.embed, tokens, feats, depth)), out.logits
