@@ -498,7 +498,7 @@ CALIBRATION_PROMPTS = (
 )
 CALIBRATION_TOKENS = 96
 CALIBRATION_DEPTH = 6  # the deepest tree shape measured (jaxspec.budget.TREE_SHAPES)
-CALIBRATION_LOOKUP = 6  # the longest prompt-lookup chain measured (its runs are capped there)
+CALIBRATION_LOOKUP = 12  # the longest prompt-lookup chain measured (its runs are capped there; TREE_SHAPES' longest)
 CALIBRATION_NGRAM = 3  # the lookup's longest n-gram (Eagle3Drafter.lookup_ngram's default)
 CALIBRATION_TOP_K = 4  # the widest level whose target probability mass is measured (sampled rounds)
 

@@ -696,13 +696,14 @@ def test_auto_tree_merges_a_lookup_chain_at_t0_only(tiny_llama3):
     cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
                      seconds=[[1e-2 + 1e-4 * (t - 1) for t in counts]])
     ranks = np.full((100, 6), 5)  # [P, D]: the head never right
-    runs = np.full(100, 6)  # [P]: the lookup chain always right
+    runs = np.full(100, 6)  # [P]: the lookup chain always right for 6 tokens
     method = Method(name="eagle3", drafter=cfg.make_drafter(), params=None, target=model, cost_model=cost,
                     tree_ranks=ranks, lookup_runs=runs)
     greedy, sampled = method.drafter_for_batch(1), method.drafter_for_batch(1, greedy=False)
-    assert greedy.lookup_depth == 5 and greedy.num_nodes == method.auto_tree(1)[0].verified_nodes
+    # the shortest lookup chain of TREE_SHAPES (3, 5, 8, 12) that keeps all 6, under the cheapest head chain
+    assert greedy.lookup_depth == 8 and greedy.num_nodes == method.auto_tree(1)[0].verified_nodes == 9
     assert sampled.lookup_depth == 0 and all(not r["shape"].lookup for r in method.auto_tree(1, greedy=False)[1])
-    assert "prompt-lookup chain of 5" in method.auto_table(1)[0]
+    assert "prompt-lookup chain of 8" in method.auto_table(1)[0]
 
 
 def test_merge_chain_builds_a_trie_without_duplicate_siblings():
