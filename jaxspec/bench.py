@@ -137,6 +137,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--phases", action="store_true",
                    help="also time each speculative round's phases (draft, verify, accept, commit) in ms, from one "
                         "profiled run of each row's first batch (jaxspec.profiling; one more compilation per row)")
+    p.add_argument("--layers", choices=("stacked", "unstacked"), default=None,
+                   help="on CPU, every method's target layers as the stacked scan or as per-layer buffers (faster "
+                        "steps and verification here, 4-5x longer compilation; docs/cpu-performance.md); default "
+                        "$JAXSPEC_LAYERS, else stacked")
     return p
 
 
@@ -785,6 +789,14 @@ def _dflash_block_size(target: LoadedModel, name: str, drafter: str | None) -> i
 
 def cmd_bench(args) -> None:
     """Runs `jaxspec bench`: loads the model and prompt sets, runs `run_bench`, prints the table, writes outputs."""
+    from jaxspec.model import LAYERS_ENV, layers_layout
+
+    layout = args.layers or os.environ.get(LAYERS_ENV) or "stacked"
+    with layers_layout(layout):
+        _bench(args, layout)
+
+
+def _bench(args, layout: str) -> None:
     import jax
 
     from jaxspec.arguments import check_mesh_arg, dtype_from_name
@@ -801,7 +813,8 @@ def cmd_bench(args) -> None:
     _check_mesh_batches(args, prompt_sets)
     methods = build_methods(target, args)
     lookup_ks = [method_k(m) for m in methods if m.name == "prompt-lookup"] or [4]
-    print(f"jaxspec bench: {target.source} on {jax.default_backend()} ({mesh_label(methods[0].mesh)}); methods "
+    on = jax.default_backend() + (f", {layout} layers" if jax.default_backend() == "cpu" else "")
+    print(f"jaxspec bench: {target.source} on {on} ({mesh_label(methods[0].mesh)}); methods "
           f"{', '.join(_label(m) for m in methods)}; sets {', '.join(prompt_sets)} "
           f"({args.limit} prompts each); T {args.temperatures}; batch {args.batch_sizes}; "
           f"{args.max_new_tokens} new tokens", file=sys.stderr)
@@ -809,7 +822,7 @@ def cmd_bench(args) -> None:
                       max_new_tokens=args.max_new_tokens, seed=args.seed, peers=not args.no_peers,
                       peer_prompt_lookup_ks=lookup_ks, ngram=args.ngram, phases=args.phases)
     bench = {"command": shlex.join(["jaxspec", *sys.argv[1:]]), "model": args.model, "source": target.source,
-             "dtype": str(target.weights.embed.dtype), "backend": jax.default_backend(),
+             "dtype": str(target.weights.embed.dtype), "backend": jax.default_backend(), "layers": layout,
              "jax_version": jax.__version__, "cpu_count": os.cpu_count(), "limit": args.limit,
              "arguments": vars(args), "prompts": texts, **bench}
     written = write_outputs(bench, args.out)
