@@ -11,8 +11,9 @@ in float32 (XLA:CPU would otherwise count float32 copies of every weight), an up
     plan = plan_generation(LLAMA3_8B, make_mesh(1, 8), batch_size=8, cache_length=4096, dtype=jnp.bfloat16)
     plan.per_device["total_bytes"]
 
-What it covers: autoregressive generation (the target's weights, its KV cache and every temporary of the loop).
-Not yet: the speculative loops with a drafter, and a training step (optimizer state): `optimizer_bytes` is 0.
+What it covers: generation, autoregressive or speculative (`method`: the speculative loop with that method's drafter,
+its parameters replicated on every device, at the drafter's default tree), the target's weights, its KV cache and
+every temporary of the loop; and one drafter training step (`plan_training`, with the optimizer state).
 """
 
 from __future__ import annotations
@@ -153,16 +154,22 @@ def _measure(compiled, weights, program_weights, *, cache_bytes: int, optimizer_
 
 
 def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: int, dtype=jnp.bfloat16,
-                    max_new_tokens: int | None = None, hbm_bytes: int | None = None) -> Plan:
-    """Compiles autoregressive generation for abstract inputs on `mesh` and returns its per-device plan.
+                    max_new_tokens: int | None = None, hbm_bytes: int | None = None,
+                    method: str = "autoregressive") -> Plan:
+    """Compiles generation for abstract inputs on `mesh` and returns its per-device plan.
 
     Args:
         cfg: the target's config; mesh: a (data, model) mesh (`jaxspec.sharding.make_mesh`).
-        batch_size: rows (split over the data axis); cache_length: KV cache slots per row (prompt + new tokens).
+        batch_size: rows (split over the data axis); cache_length: KV cache slots per row (prompt + new tokens,
+            and a speculative round's drafted nodes).
         dtype: the weights' and cache's dtype. max_new_tokens: default a quarter of the cache, the rest prompt.
         hbm_bytes: memory per device, to say whether it fits.
+        method: "autoregressive", or a speculative method: the loop `jaxspec generate --method` runs, with that
+            method's drafter at its default tree (a learned drafter's parameters as freshly initialised ones: the
+            same shapes as a trained one's), counted in per_device["drafter_bytes"].
     Raises:
-        UserError: a batch or model dimension the mesh does not divide, a cache too short.
+        UserError: a batch or model dimension the mesh does not divide, a cache too short, a method that cannot be
+            planned (a separate draft model, a pipeline).
     """
     from jaxspec.cache import init_cache
     from jaxspec.generate import generate_tokens
@@ -175,9 +182,12 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
         raise UserError(f"A hybrid model ({cfg.architecture}) runs on one device in jaxspec for now; plan it without "
                         "--mesh.")
     new = max_new_tokens if max_new_tokens is not None else max(cache_length // 4, 1)
-    prompt = cache_length - new
+    drafter, drafter_params = _plan_drafter(method, cfg, dtype)
+    round_slots = drafter.num_nodes + 1 if drafter is not None else 0  # a round writes its nodes past the end
+    prompt = cache_length - new - round_slots
     if prompt < 1:
-        raise UserError(f"A cache of {cache_length} slots leaves no room for a prompt before {new} new tokens.")
+        raise UserError(f"A cache of {cache_length} slots leaves no room for a prompt before {new} new tokens"
+                        + (f" and a round's {round_slots} drafted slots." if round_slots else "."))
 
     def place(abstract, shardings):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -198,14 +208,57 @@ def plan_generation(cfg: ModelConfig, mesh, *, batch_size: int, cache_length: in
     tokens = jax.ShapeDtypeStruct((batch_size, prompt), jnp.int32, sharding=batch_sharding(mesh, 2))
     lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=batch_sharding(mesh, 1))
     key = _abstract_key(replicated(mesh))
-    compiled = generate_tokens.lower(program_weights, cfg, tokens, lengths, key, max_new_tokens=new,
-                                     cache_size=cache_length, sampling=GREEDY, eos_ids=(),
-                                     mesh=None if cfg.is_hybrid else mesh).compile()
+    loop_mesh = None if cfg.is_hybrid else mesh
+    if drafter is None:
+        compiled = generate_tokens.lower(program_weights, cfg, tokens, lengths, key, max_new_tokens=new,
+                                         cache_size=cache_length, sampling=GREEDY, eos_ids=(),
+                                         mesh=loop_mesh).compile()
+    else:
+        from jaxspec.speculative import speculative_generate_tokens
+
+        one = replicated(mesh)
+        params = place(drafter_params, jax.tree.map(lambda _: one, drafter_params))
+        compiled = speculative_generate_tokens.lower(program_weights, cfg, drafter, params, tokens, lengths, key,
+                                                     max_new_tokens=new, cache_size=cache_length, sampling=GREEDY,
+                                                     eos_ids=(), mesh=loop_mesh).compile()
     per_device, flops = _measure(compiled, weights, program_weights, cache_bytes=_shard_bytes(cache),
                                  optimizer_bytes=0)
+    if drafter is not None:
+        per_device["drafter_bytes"] = _shard_bytes(params)
     return Plan(config=cfg, mesh_shape=dict(mesh.shape), batch_size=batch_size, cache_length=cache_length,
                 dtype=jnp.dtype(dtype).name, per_device=per_device, flops=flops, hbm_bytes=hbm_bytes,
-                compiled_dtype=jnp.dtype(compiled_dtype).name, platform=jax.default_backend())
+                compiled_dtype=jnp.dtype(compiled_dtype).name, platform=jax.default_backend(),
+                program="generation" if drafter is None else f"{method} generation")
+
+
+def _plan_drafter(method: str, cfg: ModelConfig, dtype):
+    """(drafter, abstract parameters) of a speculative method for a target of `cfg` (None, None: autoregressive).
+    A learned drafter's parameters are those of a fresh one (jax.eval_shape: nothing is allocated)."""
+    from jaxspec.loading import LoadedModel
+    from jaxspec.methods import MethodOptions, build_method, load_learned_drafter
+    from jaxspec.model import init_weights
+    from jaxspec.registry import method_spec
+
+    if method == "autoregressive":
+        return None, None
+    spec = method_spec(method)
+    if spec.family == "pipeline":
+        raise UserError(f"'{method}' runs its stages on a device mesh of its own; jaxspec plan does not cover it yet.")
+    if not spec.learned and method != "prompt-lookup":
+        raise UserError(f"jaxspec plan covers autoregressive decoding, prompt lookup and the learned drafters; "
+                        f"'{method}' (a separate draft model or the target's own early layers) is not planned yet.")
+    drafter = {}
+
+    def make(weights):
+        target = LoadedModel(config=cfg, weights=weights, tokenizer=None, source="plan")
+        if not spec.learned:
+            drafter["it"] = build_method(method, target, MethodOptions()).drafter
+            return None
+        drafter["it"], params = load_learned_drafter(method, target, "untrained", MethodOptions(drafter="untrained"))
+        return params
+
+    params = jax.eval_shape(make, jax.eval_shape(lambda k: init_weights(cfg, k, dtype=dtype), jax.random.key(0)))
+    return drafter["it"], params
 
 
 def plan_training(config, mesh, *, hbm_bytes: int | None = None) -> Plan:
@@ -283,7 +336,7 @@ def format_plan(plan: Plan) -> str:
     gib = 2.0 ** 30
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
     pd = plan.per_device
-    training = plan.program != "generation"
+    training = not plan.program.endswith("generation")
     length = f"sequences of {plan.cache_length} tokens" if training else f"cache {plan.cache_length} slots"
     lines = [f"{plan.program}: {plan.config.architecture}, {plan.config.num_layers} layers, "
              f"d={plan.config.hidden_size}, {plan.dtype}; mesh {mesh}; batch {plan.batch_size}; {length}",
@@ -291,6 +344,8 @@ def format_plan(plan: Plan) -> str:
              f"  weights      {pd['weights_bytes'] / gib:9.3f} GiB" + (
                  ("   (the frozen target, split over the model axis)" if plan.mesh_shape.get("model", 1) > 1
                   else "   (the frozen target, replicated)") if training else ""),
+             *([f"  drafter      {pd['drafter_bytes'] / gib:9.3f} GiB   (its parameters, replicated)"]
+               if "drafter_bytes" in pd else []),
              f"  KV cache     {pd['cache_bytes'] / gib:9.3f} GiB" + ("" if training else
                                                                        "   (part of the temporaries: the loop "
                                                                        "creates it)"),
@@ -302,7 +357,9 @@ def format_plan(plan: Plan) -> str:
                 f"{plan.dtype})" if plan.compiled_dtype != plan.dtype else ""),
              f"  total        {pd['total_bytes'] / gib:9.3f} GiB",
              f"  FLOPs        {plan.flops:.3g}" + (" per step" if training else
-                                                   " (XLA's count: the prefill plus one decoding step)")]
+                                                   " (XLA's count: the prefill plus one " + (
+                                                       "decoding step)" if plan.program == "generation" else
+                                                       "round)"))]
     if plan.hbm_bytes is not None:
         if plan.fits:
             lines.append(f"fits in {plan.hbm_bytes / gib:.1f} GiB per device "
@@ -324,6 +381,9 @@ def add_plan_parser(sub) -> None:
                        "for abstract arrays (no weights read)")
     p.add_argument("--model", help=f"a config: {', '.join(BUILTIN_CONFIGS)}, a Hugging Face config.json or a "
                    "folder holding one, a .gguf file or a known model name (no weights are read)")
+    p.add_argument("--method", default="autoregressive", help="the generation to plan: autoregressive, prompt-lookup "
+                   "or a learned drafter's method (eagle3, medusa, jetspec, ...; its default tree, the drafter "
+                   "replicated)")
     p.add_argument("--train-config", default=None, help="plan one training step of this drafter training config "
                    "(its target, batch and sequence length) instead of generation")
     p.add_argument("--mesh", default="data=1,model=1", help="data=N,model=M (fake CPU devices when this machine "
@@ -369,7 +429,7 @@ def cmd_plan(args, argv: list[str]) -> int:
     else:
         plan = plan_generation(cfg, mesh, batch_size=args.batch_size, cache_length=args.cache_length,
                                dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
-                               max_new_tokens=args.max_new_tokens, hbm_bytes=hbm)
+                               max_new_tokens=args.max_new_tokens, hbm_bytes=hbm, method=args.method)
     print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
     return 2 if plan.fits is False else 0
 

@@ -35,6 +35,35 @@ def test_configs_without_weights(tmp_path):
         plan_config("no-such-model")
 
 
+def test_a_speculative_generation_plan_counts_its_drafter(tiny_llama3):
+    """--method eagle3 compiles the speculative loop: its drafter's bytes are those of a fresh head for this target
+    (the shapes a trained one has), counted beside the target's, and the loop needs more than plain decoding;
+    prompt lookup has no parameters; methods with a second model or their own stage mesh are refused clearly."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.methods import MethodOptions, load_learned_drafter
+    from jaxspec.plan import format_plan, plan_generation
+    from jaxspec.sharding import make_mesh
+
+    _, model, _ = tiny_llama3
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    kwargs = dict(batch_size=2, cache_length=128, dtype=jnp.float32)
+    plain = plan_generation(model.config, mesh, **kwargs)
+    eagle = plan_generation(model.config, mesh, method="eagle3", **kwargs)
+    params = load_learned_drafter("eagle3", model, "untrained", MethodOptions(drafter="untrained"))[1]
+    assert eagle.per_device["drafter_bytes"] == sum(x.nbytes for x in jax.tree.leaves(params)) > 0
+    assert eagle.per_device["weights_bytes"] == plain.per_device["weights_bytes"]
+    assert eagle.per_device["total_bytes"] > plain.per_device["total_bytes"] + eagle.per_device["drafter_bytes"]
+    text = format_plan(eagle)
+    assert eagle.program == "eagle3 generation" and "drafter" in text and "one round" in text
+    lookup = plan_generation(model.config, mesh, method="prompt-lookup", **kwargs)
+    assert lookup.per_device["drafter_bytes"] == 0
+    for method, message in (("draft-model", "not planned yet"), ("ppsd", "stages")):
+        with pytest.raises(UserError, match=message):
+            plan_generation(model.config, mesh, method=method, **kwargs)
+
+
 def test_the_suggestion_names_the_axis_that_holds_the_bulk():
     from jaxspec.config import LLAMA3_8B
 
