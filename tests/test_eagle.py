@@ -256,6 +256,30 @@ def _committed(params, model, drafter, prompt, root):
     return cache, h_root
 
 
+def test_a_long_prompt_is_absorbed_in_chunks_with_the_same_result(tiny_llama3):
+    """`absorb_pairs` over 13 pairs, 4 at a time (ragged rows of 13, 9 and 3 valid pairs, a cache already holding
+    two pairs), caches the same keys and values at the valid slots and returns the same draft state as in one go."""
+    _, model, _ = tiny_llama3
+    cfg_t, w = model.config, model.weights
+    cfg, params = _head(model)
+    rng = np.random.default_rng(5)
+    b, width = 3, 13
+    history = jnp.asarray(rng.integers(1, 256, (b, 40)), jnp.int32)  # [B, S]
+    feats = jnp.asarray(rng.standard_normal((b, width, cfg_t.hidden_size)), jnp.float32)  # [B, W, d]
+    start = init_cache(cfg_t, b, 40, num_layers=1)
+    start = absorb_pairs(params, cfg_t, w.embed, start, feats[:, :2], history, jnp.full((b,), 2, jnp.int32))[0]
+    lengths = jnp.array([15, 11, 5], jnp.int32)  # [B]: 2 cached + 13, 9 and 3 valid pairs
+    whole, h_whole = absorb_pairs(params, cfg_t, w.embed, start, feats, history, lengths)
+    chunked, h_chunked = absorb_pairs(params, cfg_t, w.embed, start, feats, history, lengths, chunk=4)
+    np.testing.assert_array_equal(np.asarray(chunked.lengths), np.asarray(lengths))
+    np.testing.assert_allclose(np.asarray(h_chunked), np.asarray(h_whole), rtol=1e-5, atol=1e-5)
+    for row in range(b):
+        n = int(lengths[row])
+        for a, c in ((whole.k, chunked.k), (whole.v, chunked.v)):
+            np.testing.assert_allclose(np.asarray(c[:, row, :, :n]), np.asarray(a[:, row, :, :n]), rtol=1e-5,
+                                       atol=1e-5)
+
+
 def _path_log_probs(params, model, cache, h_root, path):
     """The head run on one path alone (feed (h_root, y1), (h1, y2), ... causally over the cache): the draft
     log-probs [Vd] each token of the path was chosen from."""
