@@ -446,6 +446,16 @@ TREE_SHAPES = HEAD_SHAPES + tuple(
 EAGLE_TOKEN_COUNTS = tuple(sorted({1} | {s.num_nodes + 1 for s in HEAD_SHAPES} - {6}))  # 6: interpolated
 
 
+def _check_modelled(shape: TreeShape) -> None:
+    """Refuses a shape whose acceptance the tau models do not cover: only chains and full depth-1 or depth-2 trees
+    (every child of every expanded node kept) are exact under them."""
+    chain = shape.top_k == 1 and shape.num_nodes == shape.depth
+    full_tree = (shape.depth == 1 and shape.num_nodes == shape.top_k) or (
+        shape.depth == 2 and shape.num_nodes == shape.top_k + shape.top_k ** 2)
+    if not (chain or full_tree):
+        raise UserError(f"{shape} is neither a chain nor a full depth-2 tree; its acceptance is not modelled.")
+
+
 def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: np.ndarray | None = None) -> float:
     """Expected tokens a round yields (accepted drafts + the bonus) at T=0, from the drafter's measured ranks.
 
@@ -463,11 +473,7 @@ def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: 
     ranks = np.asarray(ranks)
     if ranks.ndim != 2 or ranks.shape[1] < shape.depth or len(ranks) == 0:
         raise UserError(f"Measured draft ranks of shape {ranks.shape} do not cover depth {shape.depth}.")
-    chain = shape.top_k == 1 and shape.num_nodes == shape.depth
-    full_tree = (shape.depth == 1 and shape.num_nodes == shape.top_k) or (
-        shape.depth == 2 and shape.num_nodes == shape.top_k + shape.top_k ** 2)
-    if not (chain or full_tree):
-        raise UserError(f"{shape} is neither a chain nor a full depth-2 tree; its acceptance is not modelled.")
+    _check_modelled(shape)
     inside = ranks[:, : shape.depth] < shape.top_k  # [P, depth]
     accepted = np.cumprod(inside, axis=1).sum(axis=1)  # [P]: drafts kept before the first miss
     if shape.lookup:
@@ -495,11 +501,7 @@ def expected_tokens_sampled(mass: np.ndarray, shape: TreeShape) -> float:
                         f"top_k {shape.top_k}.")
     if shape.lookup:
         raise UserError(f"{shape} merges a prompt-lookup chain, whose acceptance at T > 0 is not modelled.")
-    chain = shape.top_k == 1 and shape.num_nodes == shape.depth
-    full_tree = (shape.depth == 1 and shape.num_nodes == shape.top_k) or (
-        shape.depth == 2 and shape.num_nodes == shape.top_k + shape.top_k ** 2)
-    if not (chain or full_tree):
-        raise UserError(f"{shape} is neither a chain nor a full depth-2 tree; its acceptance is not modelled.")
+    _check_modelled(shape)
     levels = mass[:, : shape.depth, shape.top_k - 1]  # [P, depth]: a level kept given the one above was
     return 1.0 + float(np.cumprod(levels, axis=1).sum(axis=1).mean())
 

@@ -916,7 +916,7 @@ def draft_statistics(params: Eagle3Params, target_weights: Weights, target_cfg: 
     for row in range(r):  # one row at a time: [depth, S, Vd] logits at most
         head_logits, target_logits = _chain_logits(params, target_weights, target_cfg, head_cfg or target_cfg,
                                                    tuple(feature_layers), jnp.asarray(toks[row: row + 1], jnp.int32),
-                                                   depth)
+                                                   depth, target_logits=top_k > 0)
         logits = np.asarray(head_logits)[:, 0]  # [depth, S, Vd]
         if top_k:
             probs = np.asarray(jax.nn.softmax(target_logits[0].astype(jnp.float32), axis=-1))  # [S, V]
@@ -939,12 +939,13 @@ def draft_statistics(params: Eagle3Params, target_weights: Weights, target_cfg: 
     return ranks[measured].astype(np.int64), mass[measured]
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "feature_layers", "depth"))
-def _chain_logits(params, target_weights, target_cfg, head_cfg, feature_layers, tokens, depth):
+@functools.partial(jax.jit, static_argnames=("target_cfg", "head_cfg", "feature_layers", "depth", "target_logits"))
+def _chain_logits(params, target_weights, target_cfg, head_cfg, feature_layers, tokens, depth, target_logits=False):
     """tokens: int32[R, S] -> ([depth, R, S, Vd] the head's step-j logits fed the true tokens (`ttt_logits`),
-    [R, S, V] the target's logits)."""
+    [R, S, V] the target's logits, or None without `target_logits`)."""
     r, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))  # [R, S]
-    out = forward(target_weights, target_cfg, tokens, positions, hidden_layers=feature_layers)
+    out = forward(target_weights, target_cfg, tokens, positions, hidden_layers=feature_layers,
+                  compute_logits=target_logits)
     feats = fuse_features(params, out.hidden, head_cfg.rms_norm_eps)  # [R, S, d]
     return jnp.stack(ttt_logits(params, head_cfg, target_weights.embed, tokens, feats, depth)), out.logits
