@@ -5,7 +5,9 @@ Cost model: one target forward over a chain of T + 1 tokens (the root and T draf
 few calls after one compiling call). `CostModel.verify_seconds` interpolates that grid piecewise-linearly in
 (log batch, log tokens, log seconds). The grid is measured once per device, weights dtype and target (its
 fingerprint) and cached as JSON in $JAXSPEC_CACHE_DIR (default ~/.cache/jaxspec), file
-`cost-model-{device}-{fingerprint}.json`; delete that file, or pass another path, to measure again. The grid may
+`cost-model-{device}-{fingerprint}-{code}.json`, where code names the source of the forward that was timed
+(`forward_code_digest`: a changed forward, or another JAX, is timed afresh instead of being chosen by a stale file's
+seconds); delete that file, or pass another path, to measure again. The grid may
 be sparse: a method that needs other shapes than the cached ones measures only the missing cells (each compiles a
 program, so re-measuring a whole union grid would cost minutes) and the file keeps them all.
 
@@ -19,6 +21,7 @@ compute, every node costs time and a small budget wins.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -273,12 +276,33 @@ def enable_compilation_cache() -> str | None:
     return folder
 
 
+FORWARD_MODULES = ("model", "cache", "verification", "tree", "gated_delta", "sharding")  # what a verification runs
+
+
+@functools.lru_cache(maxsize=1)
+def forward_code_digest() -> str:
+    """16 hex digits naming the code a cost model times: the source of jaxspec's forward modules (FORWARD_MODULES)
+    and the JAX and jaxlib versions. A cost model measured before the forward changed (a faster layout, a fix) would
+    otherwise keep choosing trees from the old seconds."""
+    import hashlib
+    import importlib
+
+    import jaxlib
+
+    digest = hashlib.sha256(f"{jax.__version__} {jaxlib.__version__}".encode())
+    for name in FORWARD_MODULES:
+        with open(importlib.import_module(f"jaxspec.{name}").__file__, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def cost_model_path(target, device: str | None = None) -> str:
-    """Where the cost model of `target` on `device` (default: this one, with the weights' dtype) is cached."""
+    """Where the cost model of `target` on `device` (default: this one, with the weights' dtype) is cached, for the
+    forward's current code (`forward_code_digest`)."""
     device = device_name(target.weights.embed.dtype) if device is None else device
     folder = cache_folder()
     safe_device = re.sub(r"[^A-Za-z0-9_.-]", "_", device)
-    return os.path.join(folder, f"cost-model-{safe_device}-{target.fingerprint()}.json")
+    return os.path.join(folder, f"cost-model-{safe_device}-{target.fingerprint()}-{forward_code_digest()}.json")
 
 
 def load_or_measure_cost_model(target, path: str | None = None, progress: bool = True, **measure_kwargs) -> CostModel:

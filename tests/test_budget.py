@@ -170,6 +170,13 @@ def test_measure_cache_reuse_and_corrupt_cache(tiny_llama3, tmp_path, monkeypatc
     assert not bigger.covers([1], [5]) and bigger.seconds[0][2] is None
     assert bigger.seconds[1][:2] == again.seconds[1] and CostModel.load(path) == bigger
     assert bigger.verify_seconds(1, 5) > 0  # batch 1 interpolated over its own measured cells
+    # a cost model timed on another version of the forward (a faster layout since) is not used: timed afresh
+    budget.forward_code_digest.cache_clear()
+    monkeypatch.setattr(budget, "FORWARD_MODULES", (*budget.FORWARD_MODULES, "budget"))
+    assert cost_model_path(model) != path
+    load_or_measure_cost_model(model, progress=False, **grid)
+    assert len(calls) == 3 and calls[2]["skip"] == frozenset()
+    budget.forward_code_digest.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------- EAGLE tree shapes
