@@ -39,6 +39,7 @@ from tqdm import tqdm
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
+from jaxspec.generate import decode_step
 from jaxspec.model import LAYERS_ENV, Weights, execution_weights
 from jaxspec.tree import DraftTree, chain_parents
 from jaxspec.verification import verify_forward
@@ -176,7 +177,11 @@ def device_name(dtype=None) -> str:
 
 
 def _verify_logits(weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree):
-    """(logits [B, T+1, V], cache): the verification forward as the decoding loop runs it, cache updated in place."""
+    """(logits [B, T+1, V], cache): the verification forward as the decoding loop runs it, cache updated in place;
+    with no drafted node (T = 0) the autoregressive decoding step instead (what plain decoding runs)."""
+    if tree.tokens.shape[1] == 0:
+        logits, cache = decode_step(weights, cfg, root, cache, jnp.zeros_like(root, jnp.bool_))  # length kept
+        return logits[:, None], cache
     out = verify_forward(weights, cfg, cache, root, tree)
     return out.logits, out.cache
 
@@ -196,8 +201,10 @@ def measure_cost_model(
 ) -> CostModel:
     """Times the target's verification forward on this device for every batch size x token count.
 
-    Each shape runs a chain tree of T = tokens - 1 nodes over a cache holding `context` tokens per row; one call
-    compiles (not timed), then the median of `repeats` timed calls is kept.
+    Each shape runs a chain tree of T = tokens - 1 nodes over a cache holding `context` tokens per row (one token:
+    the autoregressive decoding step), with the weights and the cache laid out as the decoding loops lay them out
+    (`execution_weights`: per-layer buffers under JAXSPEC_LAYERS=unstacked); one call compiles (not timed), then the
+    median of `repeats` timed calls is kept.
 
     Args:
         target: a `jaxspec.loading.LoadedModel`.
@@ -219,7 +226,8 @@ def measure_cost_model(
     with tqdm(total=todo, desc="cost model", unit="shape", disable=not progress,
               file=sys.stderr) as bar:
         for b in batch_sizes:
-            cache = init_cache(cfg, b, context + max(token_counts) + 1, weights.embed.dtype)
+            cache = init_cache(cfg, b, context + max(token_counts) + 1, weights.embed.dtype,
+                               per_layer=isinstance(weights.layers, tuple))  # as the decoding loops make it
             cache = dataclasses.replace(cache, lengths=jnp.full((b,), context, jnp.int32))
             root = jnp.zeros((b,), jnp.int32)  # [B]
             row = []
@@ -276,7 +284,8 @@ def enable_compilation_cache() -> str | None:
     return folder
 
 
-FORWARD_MODULES = ("model", "cache", "verification", "tree", "gated_delta", "sharding")  # what a verification runs
+# what a timed forward runs, and the timing itself (this module)
+FORWARD_MODULES = ("model", "cache", "verification", "tree", "gated_delta", "sharding", "generate", "budget")
 
 
 @functools.lru_cache(maxsize=1)

@@ -172,7 +172,7 @@ def test_measure_cache_reuse_and_corrupt_cache(tiny_llama3, tmp_path, monkeypatc
     assert bigger.verify_seconds(1, 5) > 0  # batch 1 interpolated over its own measured cells
     # a cost model timed on another version of the forward (a faster layout since) is not used: timed afresh
     budget.forward_code_digest.cache_clear()
-    monkeypatch.setattr(budget, "FORWARD_MODULES", (*budget.FORWARD_MODULES, "budget"))
+    monkeypatch.setattr(budget, "FORWARD_MODULES", (*budget.FORWARD_MODULES, "speculative"))
     assert cost_model_path(model) != path
     load_or_measure_cost_model(model, progress=False, **grid)
     assert len(calls) == 3 and calls[2]["skip"] == frozenset()
@@ -321,3 +321,27 @@ def test_compilation_cache_folder_follows_the_settings(tmp_path):
     assert run(JAXSPEC_CACHE_DIR=ours, JAX_COMPILATION_CACHE_DIR=theirs) == theirs
     assert run(JAXSPEC_CACHE_DIR=str(tmp_path / "off"), JAXSPEC_COMPILATION_CACHE="0") == "None"
     assert not os.path.exists(tmp_path / "off" / "xla")
+
+
+def test_measure_times_the_layout_the_decoding_loops_run(tiny_llama3, monkeypatch):
+    """Per-layer weights are timed over a per-layer cache (the in-place path the loops take; a stacked cache sent
+    them down another path that cost a third more)."""
+    from jaxspec.model import layers_layout
+
+    _, model, _ = tiny_llama3
+    seen = []
+    real = budget._verify_logits_jit
+
+    def recording(weights, cfg, cache, root, tree):
+        seen.append((isinstance(weights.layers, tuple), cache.per_layer, tree.tokens.shape[1]))
+        return real(weights, cfg, cache, root, tree)
+
+    monkeypatch.setattr(budget, "_verify_logits_jit", recording)
+    for layout in ("stacked", "unstacked"):
+        seen.clear()
+        with layers_layout(layout):
+            cost = measure_cost_model(model, batch_sizes=(1,), token_counts=(1, 3), context=8, repeats=1,
+                                      progress=False)
+        per_layer = layout == "unstacked"
+        assert set(seen) == {(per_layer, per_layer, 0), (per_layer, per_layer, 2)}
+        assert cost.device.endswith(("-unstacked-float32" if per_layer else "cpu-float32"))
