@@ -19,6 +19,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype (auto: float32 on CPU, bfloat16 on TPU/GPU)")
 
 
+def add_layers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", choices=("auto", "stacked", "unstacked"), default=None,
+                   help="on CPU, the target's layers as the stacked scan or as per-layer buffers (different speed "
+                        "per machine; per-layer compiles 4-5x longer; docs/cpu-performance.md); default "
+                        "$JAXSPEC_LAYERS, else auto: the layout whose decoding step is faster here, timed once and "
+                        "cached (jaxspec.budget.chosen_layout)")
+
+
 def add_method_args(p: argparse.ArgumentParser) -> None:
     """Options that choose and configure the decoding method (shared by generate and bench)."""
     from jaxspec.methods import METHODS

@@ -108,7 +108,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     Returns:
         The `bench` parser.
     """
-    from jaxspec.arguments import add_method_args, add_model_args
+    from jaxspec.arguments import add_layers_arg, add_method_args, add_model_args
 
     # "resolve": --num-draft-tokens below replaces the single-integer option of add_method_args with a list.
     p = subparsers.add_parser("bench", help="benchmark methods against autoregressive decoding on prompt sets",
@@ -137,10 +137,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--phases", action="store_true",
                    help="also time each speculative round's phases (draft, verify, accept, commit) in ms, from one "
                         "profiled run of each row's first batch (jaxspec.profiling; one more compilation per row)")
-    p.add_argument("--layers", choices=("stacked", "unstacked"), default=None,
-                   help="on CPU, every method's target layers as the stacked scan or as per-layer buffers (faster "
-                        "steps and verification here, 4-5x longer compilation; docs/cpu-performance.md); default "
-                        "$JAXSPEC_LAYERS, else stacked")
+    add_layers_arg(p)
     return p
 
 
@@ -788,25 +785,34 @@ def _dflash_block_size(target: LoadedModel, name: str, drafter: str | None) -> i
 
 
 def cmd_bench(args) -> None:
-    """Runs `jaxspec bench`: loads the model and prompt sets, runs `run_bench`, prints the table, writes outputs."""
-    from jaxspec.model import LAYERS_ENV, layers_layout
-
-    layout = args.layers or os.environ.get(LAYERS_ENV) or "stacked"
-    with layers_layout(layout):
-        _bench(args, layout)
-
-
-def _bench(args, layout: str) -> None:
-    import jax
-
+    """Runs `jaxspec bench`: loads the model and prompt sets, chooses the CPU layout (`--layers`, default the one
+    whose decoding step is faster here: `jaxspec.budget.chosen_layout`), runs `run_bench`, prints the table, writes
+    outputs."""
     from jaxspec.arguments import check_mesh_arg, dtype_from_name
+    from jaxspec.budget import chosen_layout
     from jaxspec.loading import load_model
+    from jaxspec.model import layers_layout
     from jaxspec.prompts import load_prompt_set
-    from jaxspec.tokenizer import encode_prompt
 
     _check_args(args)
     texts = {name: load_prompt_set(name, args.limit) for name in args.prompt_sets}  # fails fast if not installed
-    target = load_model(args.model, dtype=dtype_from_name(args.dtype), mesh=check_mesh_arg(args))
+    mesh = check_mesh_arg(args)
+    target = load_model(args.model, dtype=dtype_from_name(args.dtype), mesh=mesh)
+    if mesh is None:
+        layout, why = chosen_layout(target, args.batch_sizes[0], args.layers)
+        if why:
+            print(why, file=sys.stderr)
+    else:
+        layout = "stacked"  # a mesh runs the stacked layers (jaxspec.model.execution_weights)
+    with layers_layout(layout):
+        _bench(args, target, texts, layout)
+
+
+def _bench(args, target, texts: dict[str, list[str]], layout: str) -> None:
+    import jax
+
+    from jaxspec.tokenizer import encode_prompt
+
     if target.tokenizer is None:
         raise UserError(f"'{target.source}' has no tokenizer (tokenizer.json); the benchmark encodes text prompts.")
     prompt_sets = {name: [encode_prompt(target.tokenizer, t) for t in prompts] for name, prompts in texts.items()}

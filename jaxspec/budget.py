@@ -353,6 +353,64 @@ def load_or_measure_cost_model(target, path: str | None = None, progress: bool =
     return cost
 
 
+LAYOUT_CACHE_SIZE = 256  # cache slots of the decoding steps `chosen_layout` times
+
+
+def chosen_layout(target, batch_size: int, requested: str | None = None, progress: bool = True) -> tuple[str, str]:
+    """The CPU weight layout a generation command runs ("stacked" or "unstacked"), and a line saying why when it was
+    chosen here ("" when it was given, or off CPU).
+
+    `requested` ("stacked", "unstacked", "auto": choose) wins; when it is None, $JAXSPEC_LAYERS, else auto. Off
+    CPU the stacked scan is the only layout. Otherwise the layout whose `batch_size`-row decoding step is faster on
+    this machine (`jaxspec.generate.fastest_layout`, about a minute: both layouts compile), once per device, target,
+    batch size and version of the forward (`forward_code_digest`) and cached as JSON in `cache_folder()`: a plain
+    decoding step is the baseline every method is compared with, so jaxspec's own autoregressive decoding runs at
+    its fastest and the speculative methods run on the same layout.
+    """
+    if requested not in (None, "auto", "stacked", "unstacked"):
+        raise UserError(f"The layers layout must be auto, stacked or unstacked; got {requested!r}.")
+    if requested in ("stacked", "unstacked"):
+        return requested, ""
+    if requested is None and os.environ.get(LAYERS_ENV):
+        layout = os.environ[LAYERS_ENV]
+        return layout, ""
+    if jax.default_backend() != "cpu":
+        return "stacked", ""
+    from jaxspec.generate import fastest_layout
+
+    device = jax.devices()[0]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{device.platform}-{device.device_kind}-"
+                                           f"{jnp.dtype(target.weights.embed.dtype).name}")
+    path = os.path.join(cache_folder(), f"layout-{name}-{target.fingerprint()}-{forward_code_digest()}.json")
+    choices = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                choices = json.load(f)
+            if not isinstance(choices, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            print(f"jaxspec: the layout cache '{path}' is unreadable ({e}); measuring again.", file=sys.stderr)
+            choices = {}
+    key = str(int(batch_size))
+    entry = choices.get(key)
+    if not (isinstance(entry, dict) and entry.get("layout") in ("stacked", "unstacked")
+            and isinstance(entry.get("step_seconds"), dict)):
+        if progress:
+            print(f"jaxspec: timing a batch-{batch_size} decoding step in both CPU layouts (once per machine, "
+                  "about a minute) ...", file=sys.stderr)
+        layout, seconds = fastest_layout(target.weights, target.config, batch_size, LAYOUT_CACHE_SIZE)
+        entry = choices[key] = {"layout": layout, "step_seconds": seconds}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(choices, f, indent=1)
+        os.replace(tmp, path)
+    timed = ", ".join(f"{name} {float(sec) * 1e3:.1f} ms" for name, sec in entry["step_seconds"].items())
+    return entry["layout"], (f"layers: {entry['layout']} (a batch-{batch_size} decoding step: {timed}; measured "
+                             f"once, cached in {path}; --layers to choose)")
+
+
 # ---------------------------------------------------------------------------------------------- choosing
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 
 from jaxspec.arguments import (
+    add_layers_arg,
     add_method_args,
     add_model_args,
     check_mesh_arg,
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog=f"methods (the options each takes in parentheses):\n{methods}")
     add_model_args(gen)
+    add_layers_arg(gen)
     _add_generation_args(gen)
     gen.add_argument("--method", choices=METHODS, default="autoregressive", help="decoding method")
     add_method_args(gen)
@@ -133,10 +135,11 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def cmd_generate(args) -> None:
-    from jaxspec.generate import stream_generate
+    from jaxspec.budget import chosen_layout
+    from jaxspec.generate import pad_prompts
     from jaxspec.loading import load_model
-    from jaxspec.methods import MethodOptions, build_method, check_method_options
-    from jaxspec.metrics import tau
+    from jaxspec.methods import check_method_options
+    from jaxspec.model import layers_layout
     from jaxspec.sampling import SamplingConfig
     from jaxspec.tokenizer import encode_prompt
 
@@ -147,6 +150,9 @@ def cmd_generate(args) -> None:
         raise UserError("Give a prompt with --prompt TEXT or --prompts-file FILE.")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if args.speedup and args.method == "autoregressive":
+        raise UserError("--speedup compares a speculative method with autoregressive decoding; add e.g. "
+                        "--method eagle3.")
     mesh = check_mesh_arg(args)
     check_method_options(args.method, method_options(args))  # before the model is loaded
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -159,6 +165,22 @@ def cmd_generate(args) -> None:
         prompt_ids = [encode_prompt(model.tokenizer, p, args.chat) for p in prompts]
     except ValueError as e:
         raise UserError(str(e)) from None
+    pad_prompts(prompt_ids, args.max_new_tokens, model.config, args.max_cache_length)  # fits the cache: checked now
+    layout = "stacked"  # a mesh runs the stacked layers (jaxspec.model.execution_weights)
+    if mesh is None:
+        layout, why = chosen_layout(model, min(len(prompt_ids), args.batch_size) if args.json else 1, args.layers)
+        if why:
+            print(f"[{why}]", file=sys.stderr)
+    with layers_layout(layout):
+        _generate(args, model, prompts, prompt_ids, sampling)
+
+
+def _generate(args, model, prompts: list[str], prompt_ids: list[list[int]], sampling) -> None:
+    """`jaxspec generate` once the model is loaded and the prompts encoded (cmd_generate), in the chosen layout."""
+    from jaxspec.generate import stream_generate
+    from jaxspec.methods import MethodOptions, build_method
+    from jaxspec.metrics import tau
+
     options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                    max_cache_length=args.max_cache_length)
     eos = set(model.config.eos_token_ids)

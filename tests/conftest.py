@@ -13,6 +13,11 @@ TEST_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     *(f for f in TEST_XLA_FLAGS if f not in os.environ.get("XLA_FLAGS", ""))]).strip()
 
+# The commands' CPU layout (`jaxspec.budget.chosen_layout`) defaults to timing both layouts once per machine and
+# compiling the faster; the suite runs the stacked scan (5x faster to compile) unless a test chooses: the choice
+# itself is tested in tests/test_budget.py.
+os.environ.setdefault("JAXSPEC_LAYERS", "stacked")
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -1,6 +1,7 @@
 """The tree budget that follows load: cost-model interpolation, the choice rule on hand-made costs, measuring and
 caching on the tiny Llama-3, and clear refusals."""
 
+import importlib
 import json
 import math
 import os
@@ -345,3 +346,39 @@ def test_measure_times_the_layout_the_decoding_loops_run(tiny_llama3, monkeypatc
         per_layer = layout == "unstacked"
         assert set(seen) == {(per_layer, per_layer, 0), (per_layer, per_layer, 2)}
         assert cost.device.endswith(("-unstacked-float32" if per_layer else "cpu-float32"))
+
+
+def test_chosen_layout_is_measured_once_per_batch_size_and_cached(tiny_llama3, tmp_path, monkeypatch, capsys):
+    """The commands' default CPU layout: the one whose decoding step is faster here, timed once per device, target,
+    batch size and forward version, then read from the cache; an explicit choice or $JAXSPEC_LAYERS wins."""
+    from jaxspec.budget import chosen_layout
+
+    generate_module = importlib.import_module("jaxspec.generate")  # the module (jaxspec.generate is also a function)
+    from jaxspec.model import LAYERS_ENV
+
+    _, model, _ = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(LAYERS_ENV, raising=False)
+    calls = []
+
+    def fake_fastest(weights, cfg, batch_size, cache_size, *args, **kwargs):
+        calls.append(batch_size)
+        return "unstacked", {"stacked": 0.041, "unstacked": 0.028}
+
+    monkeypatch.setattr(generate_module, "fastest_layout", fake_fastest)
+    assert chosen_layout(model, 1, "stacked") == ("stacked", "") and not calls
+    layout, why = chosen_layout(model, 1)
+    assert layout == "unstacked" and calls == [1] and "stacked 41.0 ms, unstacked 28.0 ms" in why
+    assert chosen_layout(model, 1, "auto")[0] == "unstacked" and calls == [1]  # read back from the cache
+    assert chosen_layout(model, 4)[0] == "unstacked" and calls == [1, 4]  # another batch size: timed
+    path = why.split("cached in ")[1].split(";")[0]
+    assert os.path.isfile(path) and set(json.load(open(path))) == {"1", "4"}
+    monkeypatch.setenv(LAYERS_ENV, "stacked")
+    assert chosen_layout(model, 1) == ("stacked", "")
+    assert chosen_layout(model, 1, "auto")[0] == "unstacked"  # asked for: the measured choice
+    with open(path, "w") as f:
+        f.write("[not an object")
+    assert chosen_layout(model, 1, "auto")[0] == "unstacked" and calls == [1, 4, 1]
+    assert "unreadable" in capsys.readouterr().err
+    with pytest.raises(UserError, match="auto, stacked or unstacked"):
+        chosen_layout(model, 1, "scanned")
