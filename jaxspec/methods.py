@@ -21,8 +21,9 @@ from jaxspec.speculative import speculative_generate
 
 METHODS = tuple(METHOD_SPECS)  # every --method name, in registry order
 LEARNED_METHODS = method_names(learned=True)  # those that read a drafter checkpoint
-# --budget auto chooses among these (jaxspec.budget)
-AUTO_BUDGETS = (8, 16, 32, 64)
+# --budget auto chooses among these (jaxspec.budget): small ones for a CPU, where a verified node costs time, wide
+# ones for an accelerator, where it is nearly free
+AUTO_BUDGETS = (2, 4, 8, 16, 32, 64)
 SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters", "shipped")
 
 
@@ -75,6 +76,9 @@ class Method:
     # and at T > 0: the target's probability of the head's top-k candidates at those positions and depths, float[P, D,
     # K] (jaxspec.drafters.eagle.draft_statistics)
     draft_mass: Any = None
+    # dflash/ddtree/jetspec with --budget auto: tokens per round the head gives at each budget, {budget: tau},
+    # measured by decoding the calibration prompts (`measured_budget_taus`)
+    budget_taus: dict[int, float] | None = None
     # the device mesh: a (data, model) mesh for every method given --mesh; for ppsd/spd the 'stage' mesh of
     # --stage-devices. None: one device.
     mesh: Any = None
@@ -137,18 +141,20 @@ class Method:
         return f"budget {budget}", format_budget_table(rows), rows
 
     def auto_budget(self, batch: int) -> tuple[int, list[dict]]:
-        """(budget, table) of --budget auto at this batch size. Drafting is costed as the head's forwards (one layer
-        each) relative to the target's layers, on the same cost model."""
+        """(budget, table) of --budget auto at this batch size: the budget with the highest expected tokens/s from the
+        device's cost model and the head's measured tokens per round at each budget (`budget_taus`; greedy, also
+        used for sampled rounds). Drafting is costed as the head's forwards (one layer each) relative to the target's
+        layers, on the same cost model."""
         from jaxspec.budget import choose_budget
 
         cost, cfg, drafter = self.cost_model, self.target.config, self.drafter
-        budgets = [min(b, drafter.block_size) for b in AUTO_BUDGETS] if self.spec.chain_budget else AUTO_BUDGETS
+        budgets = auto_budgets(drafter, self.spec)
 
         def draft_seconds(rows: int, budget: int) -> float:
             layers = dataclasses.replace(drafter, budget=budget).draft_cost_layers(cfg)
             return layers / cfg.num_layers * cost.verify_seconds(rows, budget + 1)
 
-        return choose_budget(cost, batch, budgets=budgets, draft_seconds=draft_seconds)
+        return choose_budget(cost, batch, budgets=budgets, tau=self.budget_taus, draft_seconds=draft_seconds)
 
     def generate(self, prompt_ids, *, max_new_tokens: int = 128, sampling: SamplingConfig = GREEDY, seed: int = 0,
                  eos_ids=None, max_cache_length: int | None = None) -> GenerationResult:
@@ -301,13 +307,24 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         folder = options.drafter if options.drafter != "untrained" else None
         folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
         tree_ranks, lookup_runs, draft_mass = measured_draft_ranks(target, drafter, params, folder)
-    elif auto and spec.auto == "budget":
+    budget_taus = None
+    if auto and spec.auto == "budget":
         from jaxspec.budget import load_or_measure_cost_model
 
-        # token counts up to the largest auto budget + 1 (the root)
-        cost_model = load_or_measure_cost_model(target, token_counts=(1, 9, 17, 33, 65))
+        # every auto budget + 1 (the root)
+        cost_model = load_or_measure_cost_model(target, token_counts=(1, *(b + 1 for b in AUTO_BUDGETS)))
+        folder = options.drafter if options.drafter != "untrained" else None
+        budget_taus = measured_budget_taus(target, drafter, params, auto_budgets(drafter, spec), folder)
     return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
-                  tree_ranks=tree_ranks, lookup_runs=lookup_runs, draft_mass=draft_mass)
+                  tree_ranks=tree_ranks, lookup_runs=lookup_runs, draft_mass=draft_mass, budget_taus=budget_taus)
+
+
+def auto_budgets(drafter, spec: MethodSpec) -> list[int]:
+    """The budgets --budget auto chooses among for a block-head drafter: AUTO_BUDGETS, for DFlash's chain capped at
+    the head's block size."""
+    if spec.chain_budget:
+        return sorted({min(b, drafter.block_size) for b in AUTO_BUDGETS})
+    return list(AUTO_BUDGETS)
 
 
 def _build_pipeline(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
@@ -578,18 +595,108 @@ def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
     return path
 
 
+def _calibration_prompts(target: LoadedModel) -> list[list[int]]:
+    """CALIBRATION_PROMPTS as token ids (chat template applied); a bare checkpoint without a tokenizer gets fixed
+    random 16-token prompts instead (the target's own continuations of them are what is measured)."""
+    import numpy as np
+
+    from jaxspec.tokenizer import encode_prompt
+
+    if target.tokenizer is not None:
+        return [encode_prompt(target.tokenizer, p) for p in CALIBRATION_PROMPTS]
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, target.config.vocab_size, 16).tolist() for _ in CALIBRATION_PROMPTS]
+
+
+def budget_taus_file(drafter) -> str:
+    """The file in a drafter folder that holds a block head's measured taus per budget for this kind of drafter
+    (`save_budget_taus`; DFlash and DDTree read one head each their own way)."""
+    return f"budget-taus-{type(drafter).__name__.lower()}.json"
+
+
+BUDGET_CALIBRATION_PROMPTS = 4  # the first CALIBRATION_PROMPTS (an explanation, a story, code, arithmetic)
+BUDGET_CALIBRATION_TOKENS = 64
+
+
+def _budget_taus_key(target: LoadedModel, drafter, params, budgets) -> dict:
+    """What a block head's measured taus depend on: the head and target, the drafter's settings other than the
+    budget (tree width, refresh steps, ...), the budgets and the calibration text."""
+    settings = repr(dataclasses.replace(drafter, budget=0))
+    key = {"head": _head_digest(target, params), "drafter": settings, "budgets": [int(b) for b in budgets],
+           "calibration": [CALIBRATION_PROMPTS[:BUDGET_CALIBRATION_PROMPTS], BUDGET_CALIBRATION_TOKENS]}
+    return json.loads(json.dumps(key))  # as read back from a file (tuples as lists)
+
+
+def measured_budget_taus(target: LoadedModel, drafter, params, budgets, folder: str | None = None) -> dict[int, float]:
+    """{budget: tau}: tokens per round (bonus included) a block-head drafter (DFlash, DDTree, JetSpec) gives at each
+    budget, from the real decoding loop: greedy answers of BUDGET_CALIBRATION_TOKENS tokens to the first
+    BUDGET_CALIBRATION_PROMPTS calibration prompts, one run per budget (each compiles its program: a minute or two
+    on a CPU for the whole set).
+
+    Read from the drafter's folder when it holds them for this head, target, settings and budgets
+    (`save_budget_taus`), else from $JAXSPEC_CACHE_DIR, else measured and cached there."""
+    import hashlib
+
+    from jaxspec.budget import cache_folder
+
+    key = _budget_taus_key(target, drafter, params, budgets)
+    stored = os.path.join(folder, budget_taus_file(drafter)) if folder else None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(cache_folder(), f"budget-taus-{digest}.json")
+    for candidate in (stored, path):
+        if candidate and os.path.isfile(candidate):
+            try:
+                with open(candidate) as f:
+                    data = json.load(f)
+                if data["key"] == key:
+                    return {int(b): float(t) for b, t in data["taus"].items()}
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # unreadable, or of another head or settings: measured below
+    taus = _measure_budget_taus(target, drafter, params, budgets)
+    _write_json(path, {"key": key, "taus": taus})
+    return taus
+
+
+def save_budget_taus(folder: str, target: LoadedModel, drafter, params, budgets) -> str:
+    """Measures a block head's taus at `budgets` and stores them in its drafter folder, so that --budget auto needs
+    no calibration run on first use. Returns the file's path."""
+    path = os.path.join(folder, budget_taus_file(drafter))
+    taus = _measure_budget_taus(target, drafter, params, budgets)
+    _write_json(path, {"key": _budget_taus_key(target, drafter, params, budgets), "taus": taus})
+    return path
+
+
+def _write_json(path: str, data) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _measure_budget_taus(target: LoadedModel, drafter, params, budgets) -> dict[int, float]:
+    import sys
+
+    from tqdm import tqdm
+
+    from jaxspec.metrics import tau
+
+    prompts = _calibration_prompts(target)[:BUDGET_CALIBRATION_PROMPTS]
+    taus = {}
+    for budget in tqdm(budgets, desc="calibrating --budget auto", unit="budget", file=sys.stderr):
+        result = speculative_generate(target.weights, target.config, dataclasses.replace(drafter, budget=int(budget)),
+                                      params, prompts, max_new_tokens=BUDGET_CALIBRATION_TOKENS)
+        taus[int(budget)] = tau(result.accepted)
+    return taus
+
+
 def _measure_draft_ranks(target: LoadedModel, drafter, params):
     import numpy as np
 
     from jaxspec.drafters.eagle import draft_statistics
     from jaxspec.drafters.prompt_lookup import lookup_runs
-    from jaxspec.tokenizer import encode_prompt
 
-    if target.tokenizer is not None:
-        prompts = [encode_prompt(target.tokenizer, p) for p in CALIBRATION_PROMPTS]
-    else:  # no tokenizer (a bare checkpoint): the target's own continuations of fixed random token prompts
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(1, target.config.vocab_size, 16).tolist() for _ in CALIBRATION_PROMPTS]
+    prompts = _calibration_prompts(target)
     answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS).token_ids
     lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
     tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]

@@ -6,6 +6,8 @@ with trained heads, and bad settings are refused."""
 
 import dataclasses
 import heapq
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -334,16 +336,19 @@ def test_refusals(tiny_llama3):
 
 def test_budget_auto_follows_the_batch_size(tiny_llama3, tmp_path, monkeypatch):
     """--budget auto reads the device's cached cost model and picks per batch size: on costs where verification
-    is flat in tokens at batch 1 and linear at batch 16, batch 1 gets the largest budget and batch 16 the smallest;
-    generation with the chosen drafter stays lossless."""
+    is flat in tokens at batch 1 and linear at batch 16, and a head whose tau grows with the budget, batch 1 gets the
+    largest budget and batch 16 the smallest; generation with the chosen drafter stays lossless."""
+    from jaxspec import methods as methods_module
     from jaxspec.budget import CostModel, cost_model_path, device_name
     from jaxspec.methods import AUTO_BUDGETS, MethodOptions, build_method
 
     _, model, ref = tiny_llama3
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
-    tokens = [1, 9, 17, 33, 65]
+    monkeypatch.setattr(methods_module, "measured_budget_taus",
+                        lambda target, drafter, params, budgets, folder=None: {b: 1 + 0.3 * b ** 0.5 for b in budgets})
+    tokens = [1, *(b + 1 for b in AUTO_BUDGETS)]
     cost = CostModel(device=device_name(model.weights.embed.dtype), model=model.fingerprint(), batch_sizes=[1, 4, 16],
-                     token_counts=tokens, seconds=[[1e-3] * 5, [1e-3 + 1e-5 * t for t in tokens],
+                     token_counts=tokens, seconds=[[1e-3] * len(tokens), [1e-3 + 1e-5 * t for t in tokens],
                                                    [1e-3 + 1e-3 * t for t in tokens]], context=256)
     cost.save(cost_model_path(model))
     method = build_method("jetspec", model, MethodOptions(drafter="untrained", budget="auto"))
@@ -354,3 +359,62 @@ def test_budget_auto_follows_the_batch_size(tiny_llama3, tmp_path, monkeypatch):
     prompts = [ref["input_ids"][0, :9].tolist(), ref["input_ids"][1, :5].tolist()]
     result = method.generate(prompts, max_new_tokens=12)
     assert result.token_ids == generate(model.weights, model.config, prompts, max_new_tokens=12).token_ids
+
+
+def test_budget_taus_are_measured_by_decoding_and_cached(tiny_llama3, tmp_path, monkeypatch):
+    """--budget auto for the block heads sizes rounds from the head's own tokens per round at each budget: measured
+    by the decoding loop on the calibration prompts (equal to a run of the method at that budget), cached per head
+    and settings, read from the drafter's folder once stored there; the chooser then picks by them (a head that
+    gains nothing past budget 2 gets 2 on a device where every node is nearly free)."""
+    from jaxspec import methods as methods_module
+    from jaxspec.budget import CostModel, cost_model_path, device_name
+    from jaxspec.methods import (
+        BUDGET_CALIBRATION_PROMPTS,
+        BUDGET_CALIBRATION_TOKENS,
+        MethodOptions,
+        _calibration_prompts,
+        budget_taus_file,
+        build_method,
+        measured_budget_taus,
+        save_budget_taus,
+    )
+    from jaxspec.metrics import tau
+
+    _, model, _ = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    method = build_method("ddtree", model, MethodOptions(drafter="untrained", budget=4))
+    taus = measured_budget_taus(model, method.drafter, method.params, [2, 4])
+    prompts = _calibration_prompts(model)[:BUDGET_CALIBRATION_PROMPTS]
+    run = method.generate(prompts, max_new_tokens=BUDGET_CALIBRATION_TOKENS)  # the method at budget 4
+    assert set(taus) == {2, 4} and taus[4] == pytest.approx(tau(run.accepted)) and all(t >= 1 for t in taus.values())
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured although the cache holds the taus")
+
+    with monkeypatch.context() as m:
+        m.setattr(methods_module, "_measure_budget_taus", no_measuring)
+        assert measured_budget_taus(model, method.drafter, method.params, [2, 4]) == taus
+    folder = tmp_path / "drafter"
+    path = save_budget_taus(str(folder), model, method.drafter, method.params, [2, 4])
+    assert os.path.basename(path) == budget_taus_file(method.drafter) == "budget-taus-ddtreedrafter.json"
+    with open(path) as f:
+        stored = json.load(f)
+    stored["taus"] = {"2": 2.5, "4": 2.6}  # what the folder says wins over a fresh measurement
+    with open(path, "w") as f:
+        json.dump(stored, f)
+    with monkeypatch.context() as m:
+        m.setattr(methods_module, "_measure_budget_taus", no_measuring)
+        assert measured_budget_taus(model, method.drafter, method.params, [2, 4], str(folder)) == {2: 2.5, 4: 2.6}
+        other = dataclasses.replace(method.drafter, tree_width=method.drafter.tree_width + 1)
+        with pytest.raises(AssertionError, match="measured although"):  # other settings: not these taus
+            measured_budget_taus(model, other, method.params, [2, 4], str(folder))
+
+    budgets = methods_module.AUTO_BUDGETS
+    tokens = [1, *(b + 1 for b in budgets)]
+    CostModel(device=device_name(model.weights.embed.dtype), model=model.fingerprint(), batch_sizes=[1],
+              token_counts=tokens, seconds=[[1e-3 * (1 + 1e-3 * t) for t in tokens]], context=256).save(
+        cost_model_path(model))
+    monkeypatch.setattr(methods_module, "measured_budget_taus",
+                        lambda target, drafter, params, bs, folder=None: {b: 2.0 if b >= 2 else 1.0 for b in bs})
+    auto = build_method("ddtree", model, MethodOptions(drafter="untrained", budget="auto"))
+    assert auto.budget_taus == {b: 2.0 for b in budgets} and auto.drafter_for_batch(1).num_nodes == 2
