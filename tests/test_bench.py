@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 
 import numpy as np
@@ -199,12 +200,19 @@ def test_budget_sweep_builds_one_method_per_budget(tiny_llama3, tmp_path, monkey
     cost model), dflash once per distinct chain length (capped at its block size) and eagle3 once per tree size N
     and once with its tree shape chosen by the cost model and the head's measured ranks;
     the runs stay greedy-identical and record the node count."""
+    from jaxspec import methods as methods_module
     from jaxspec.bench import build_methods
     from jaxspec.budget import EAGLE_TOKEN_COUNTS, CostModel, cost_model_path, device_name
+    from jaxspec.methods import AUTO_BUDGETS
 
     _, target, ref = tiny_llama3
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
-    tokens = sorted({1, 9, 17, 33, 65} | set(EAGLE_TOKEN_COUNTS))  # every shape asked for: nothing is measured
+    # every shape asked for: nothing is measured; a block head whose tau grows with the budget (measuring them is
+    # tested in test_parallel.py)
+    tokens = sorted({1, *(b + 1 for b in AUTO_BUDGETS)} | set(EAGLE_TOKEN_COUNTS))
+    monkeypatch.setattr(methods_module, "measured_budget_taus",
+                        lambda model, drafter, params, budgets, folder=None: {b: 1 + 0.3 * math.log2(1 + b)
+                                                                               for b in budgets})
     CostModel(device=device_name(target.weights.embed.dtype), model=target.fingerprint(), batch_sizes=[1, 4, 16],
               token_counts=tokens, seconds=[[1e-3] * len(tokens), [1e-3 * t for t in tokens],
                        [1e-2 * t for t in tokens]],
