@@ -49,8 +49,10 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                         "eagle2/eagle3: children per expanded node (top_k); ppsd/spd: the drafted token and its "
                         "W - 1 siblings travel through the stages together")
     p.add_argument("--budget", type=parse_budget, default=None,
-                   help="ddtree, jetspec: drafted nodes verified per round (B), or 'auto': chosen per batch size from "
-                        "a cost model of this device (measured once, cached); dflash: the chain length (<= block size)")
+                   help="ddtree, jetspec: drafted nodes verified per round (B); dflash: the chain length (<= block "
+                        "size); or 'auto' (the default on one device): chosen per batch size from a cost model of "
+                        "this device and the head's tokens per round at each budget (both measured once, cached); "
+                        "eagle2/eagle3: 'auto' only (their tree by hand takes the tree options)")
     p.add_argument("--refresh-steps", type=int, default=None,
                    help="jetspec: tree-causal re-scoring forwards after the one-forward marginal tree (default 1)")
     p.add_argument("--num-stages", type=int, default=None,

@@ -40,7 +40,8 @@ class MethodOptions:
     ngram: int = 3  # prompt-lookup: longest n-gram matched
     exit_layer: int | None = None  # early-exit: layers used to draft
     drafter: str | None = None  # learned methods: a drafter checkpoint folder, or "untrained"
-    budget: int | str | None = None  # ddtree/jetspec: B drafted nodes per round, or "auto"; dflash: chain length
+    # ddtree/jetspec: B drafted nodes per round, dflash: its chain length, or "auto" (the default on one device)
+    budget: int | str | None = None
     refresh_steps: int | None = None  # jetspec: tree-causal re-scoring forwards per round
     num_stages: int | None = None  # ppsd/spd: pipeline stages (default: spd the drafter's, ppsd 5 or a divisor)
     stage_devices: int = 1  # ppsd/spd: devices the stages are laid out on (1: emulated on one device)
@@ -294,7 +295,10 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         drafter = dataclasses.replace(drafter, num_nodes=drafter.num_nodes + options.lookup_tokens,
                                       lookup_depth=options.lookup_tokens)
     cost_model = tree_ranks = lookup_runs = draft_mass = None
-    auto = options.budget == "auto" or (dynamic_tree and not options.tree_by_hand and options.mesh is None)
+    # --budget auto is the default of every tree method on one device: the EAGLE trees unless given by hand, the
+    # block heads' budgets unless given
+    auto = options.budget == "auto" or (options.mesh is None and options.budget is None and (
+        (dynamic_tree and not options.tree_by_hand) or spec.auto == "budget"))
     static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
     if dynamic_tree and options.budget == "auto" and static_tree:
         raise UserError(f"This {name} drafter drafts a fixed tree (its drafter.tree_choices); --budget auto sizes "

@@ -31,7 +31,8 @@ OPTION_FLAGS = {
 }
 
 # What `--budget auto` sizes: "tree" the EAGLE dynamic tree (depth, top_k, nodes; also the default when no tree is
-# given by hand), "budget" the drafted nodes per round of the parallel heads.
+# given by hand), "budget" the drafted nodes per round of the parallel heads (also the default when no budget is
+# given); both on one device (with --mesh, the drafter's own tree or budget unless --budget auto is given).
 AutoKind = Literal["tree", "budget"] | None
 # The families, each built by one function of `jaxspec.methods`.
 Family = Literal["baseline", "training-free", "medusa", "eagle", "parallel", "pipeline"]

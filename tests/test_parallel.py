@@ -304,7 +304,7 @@ def test_greedy_equals_autoregressive_batch_1_and_3(trained_heads, tiny_llama3, 
     ids = ref["input_ids"]
     prompts = [ids[0, :5].tolist(), ids[1, :17].tolist(), ids[0, 3:40].tolist()]
     path = heads["dflash" if method != "jetspec" else "jetspec"][0]["drafter"]
-    m = build_method(method, target, MethodOptions(drafter=path))
+    m = build_method(method, target, MethodOptions(drafter=path, budget=4 if method == "dflash" else 8))  # as trained
     expected = generate(target.weights, target.config, prompts, max_new_tokens=30).token_ids
     one = speculative_generate(target.weights, target.config, m.drafter, m.params, prompts[:1], max_new_tokens=30)
     assert one.token_ids == expected[:1]

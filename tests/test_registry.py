@@ -65,10 +65,12 @@ def test_learned_families_are_trainable_and_their_configs_read_defaults(name):
 
 def _options(spec) -> MethodOptions:
     """The options a user gives the method on a tiny target: an untrained drafter for learned methods, the tiny
-    Qwen2 (same vocabulary) as the draft model, 3 stages for the 3-layer target's pipelines."""
+    Qwen2 (same vocabulary) as the draft model, 3 stages for the 3-layer target's pipelines, a block head's budget."""
     options = {}
     if spec.learned:
         options["drafter"] = "untrained"
+    if spec.auto == "budget":  # a budget by hand: --budget auto (the default) is tested in test_parallel.py
+        options["budget"] = 8
     if "draft_model" in spec.options:
         options["draft_model"] = fixture_path("tiny-qwen2")
     if spec.pipeline:
