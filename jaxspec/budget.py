@@ -376,6 +376,7 @@ def chosen_layout(target, batch_size: int, requested: str | None = None, progres
         return layout, ""
     if jax.default_backend() != "cpu":
         return "stacked", ""
+    from jaxspec.data import write_json
     from jaxspec.generate import fastest_layout
 
     device = jax.devices()[0]
@@ -401,11 +402,7 @@ def chosen_layout(target, batch_size: int, requested: str | None = None, progres
                   "about a minute) ...", file=sys.stderr)
         layout, seconds = fastest_layout(target.weights, target.config, batch_size, LAYOUT_CACHE_SIZE)
         entry = choices[key] = {"layout": layout, "step_seconds": seconds}
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(choices, f, indent=1)
-        os.replace(tmp, path)
+        write_json(path, choices)
     timed = ", ".join(f"{name} {float(sec) * 1e3:.1f} ms" for name, sec in entry["step_seconds"].items())
     return entry["layout"], (f"layers: {entry['layout']} (a batch-{batch_size} decoding step: {timed}; measured "
                              f"once, cached in {path}; --layers to choose)")

@@ -227,7 +227,10 @@ def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
-def _write_json(path: str, obj: dict) -> None:
+def write_json(path: str, obj: dict) -> None:
+    """`obj` as JSON in `path`, atomically (a crash leaves the old file or the new one, never half of one); the
+    folder is made when missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()))
 
 
@@ -442,7 +445,7 @@ def regenerate_ids(
         manifest["shards"] = finished
         manifest["complete"] = len(finished) == num_shards
         manifest["counts"] = _counts(finished, len(prompt_ids), len(kept), num_shards)
-        _write_json(os.path.join(out_dir, MANIFEST), manifest)
+        write_json(os.path.join(out_dir, MANIFEST), manifest)
 
         todo = [s for s in range(num_shards) if SHARD_PATTERN.format(s) not in finished]
         bar = _progress_bar(progress, len(kept), manifest["counts"]["samples"])
@@ -498,7 +501,7 @@ def regenerate_ids(
                 manifest["shards"] = dict(sorted(finished.items()))
                 manifest["complete"] = len(finished) == num_shards
                 manifest["counts"] = _counts(finished, len(prompt_ids), len(kept), num_shards)
-                _write_json(os.path.join(out_dir, MANIFEST), manifest)
+                write_json(os.path.join(out_dir, MANIFEST), manifest)
                 if on_shard is not None:
                     on_shard(s, manifest)
         finally:

@@ -642,6 +642,7 @@ def measured_budget_taus(target: LoadedModel, drafter, params, budgets, folder: 
     import hashlib
 
     from jaxspec.budget import cache_folder
+    from jaxspec.data import write_json
 
     key = _budget_taus_key(target, drafter, params, budgets)
     stored = os.path.join(folder, budget_taus_file(drafter)) if folder else None
@@ -657,25 +658,19 @@ def measured_budget_taus(target: LoadedModel, drafter, params, budgets, folder: 
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # unreadable, or of another head or settings: measured below
     taus = _measure_budget_taus(target, drafter, params, budgets)
-    _write_json(path, {"key": key, "taus": taus})
+    write_json(path, {"key": key, "taus": taus})
     return taus
 
 
 def save_budget_taus(folder: str, target: LoadedModel, drafter, params, budgets) -> str:
     """Measures a block head's taus at `budgets` and stores them in its drafter folder, so that --budget auto needs
     no calibration run on first use. Returns the file's path."""
+    from jaxspec.data import write_json
+
     path = os.path.join(folder, budget_taus_file(drafter))
     taus = _measure_budget_taus(target, drafter, params, budgets)
-    _write_json(path, {"key": _budget_taus_key(target, drafter, params, budgets), "taus": taus})
+    write_json(path, {"key": _budget_taus_key(target, drafter, params, budgets), "taus": taus})
     return path
-
-
-def _write_json(path: str, data) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 def _measure_budget_taus(target: LoadedModel, drafter, params, budgets) -> dict[int, float]:
