@@ -24,6 +24,7 @@ LEARNED_METHODS = method_names(learned=True)  # those that read a drafter checkp
 # --budget auto chooses among these (jaxspec.budget): small ones for a CPU, where a verified node costs time, wide
 # ones for an accelerator, where it is nearly free
 AUTO_BUDGETS = (2, 4, 8, 16, 32, 64)
+BUDGET_TOKEN_COUNTS = (1, *(b + 1 for b in AUTO_BUDGETS))  # the verification sizes their cost model times
 SHIPPED_DRAFTERS = os.path.join(os.path.dirname(__file__), "drafters", "shipped")
 
 
@@ -146,8 +147,11 @@ class Method:
         device's cost model and the head's measured tokens per round at each budget (`budget_taus`; greedy, also
         used for sampled rounds). Drafting is costed as the head's forwards (one layer each) relative to the target's
         layers, on the same cost model."""
-        from jaxspec.budget import choose_budget
+        from jaxspec.budget import choose_budget, load_or_measure_cost_model
 
+        if batch not in self.cost_model.batch_sizes:  # measured at the batch sizes in use, once per device
+            self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
+                                                         token_counts=BUDGET_TOKEN_COUNTS)
         cost, cfg, drafter = self.cost_model, self.target.config, self.drafter
         budgets = auto_budgets(drafter, self.spec)
 
@@ -315,8 +319,8 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
     if auto and spec.auto == "budget":
         from jaxspec.budget import load_or_measure_cost_model
 
-        # every auto budget + 1 (the root)
-        cost_model = load_or_measure_cost_model(target, token_counts=(1, *(b + 1 for b in AUTO_BUDGETS)))
+        # every auto budget + 1 (the root); batch 1 now, other batch sizes when they are first used (auto_budget)
+        cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=BUDGET_TOKEN_COUNTS)
         folder = options.drafter if options.drafter != "untrained" else None
         budget_taus = measured_budget_taus(target, drafter, params, auto_budgets(drafter, spec), folder)
     return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
