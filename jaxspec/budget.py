@@ -167,11 +167,12 @@ def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def device_name(dtype=None) -> str:
-    """The first device as platform-kind[-dtype], e.g. "gpu-NVIDIA H200-bfloat16" (dtype: the weights')."""
+def device_name(dtype=None, layout: bool = True) -> str:
+    """The first device as platform-kind[-dtype], e.g. "gpu-NVIDIA H200-bfloat16" (dtype: the weights'); on CPU
+    with `layout`, "-unstacked" added under JAXSPEC_LAYERS=unstacked (`jaxspec.model.execution_weights`)."""
     device = jax.devices()[0]
     name = f"{device.platform}-{device.device_kind}"
-    if device.platform == "cpu" and os.environ.get(LAYERS_ENV) == "unstacked":  # jaxspec.model.execution_weights
+    if layout and device.platform == "cpu" and os.environ.get(LAYERS_ENV) == "unstacked":
         name += "-unstacked"
     return name if dtype is None else f"{name}-{jnp.dtype(dtype).name}"
 
@@ -305,13 +306,16 @@ def forward_code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def _timing_file(kind: str, target, device: str) -> str:
+    """A measurement's cache file in `cache_folder()`: per kind, device, target and forward code."""
+    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "_", device)
+    return os.path.join(cache_folder(), f"{kind}-{safe_device}-{target.fingerprint()}-{forward_code_digest()}.json")
+
+
 def cost_model_path(target, device: str | None = None) -> str:
     """Where the cost model of `target` on `device` (default: this one, with the weights' dtype) is cached, for the
     forward's current code (`forward_code_digest`)."""
-    device = device_name(target.weights.embed.dtype) if device is None else device
-    folder = cache_folder()
-    safe_device = re.sub(r"[^A-Za-z0-9_.-]", "_", device)
-    return os.path.join(folder, f"cost-model-{safe_device}-{target.fingerprint()}-{forward_code_digest()}.json")
+    return _timing_file("cost-model", target, device_name(target.weights.embed.dtype) if device is None else device)
 
 
 def load_or_measure_cost_model(target, path: str | None = None, progress: bool = True, **measure_kwargs) -> CostModel:
@@ -379,10 +383,7 @@ def chosen_layout(target, batch_size: int, requested: str | None = None, progres
     from jaxspec.data import write_json
     from jaxspec.generate import fastest_layout
 
-    device = jax.devices()[0]
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{device.platform}-{device.device_kind}-"
-                                           f"{jnp.dtype(target.weights.embed.dtype).name}")
-    path = os.path.join(cache_folder(), f"layout-{name}-{target.fingerprint()}-{forward_code_digest()}.json")
+    path = _timing_file("layout", target, device_name(target.weights.embed.dtype, layout=False))
     choices = {}
     if os.path.exists(path):
         try:

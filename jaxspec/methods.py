@@ -102,6 +102,15 @@ class Method:
                                        num_nodes=shape.verified_nodes, lookup_depth=shape.lookup)
         return dataclasses.replace(self.drafter, budget=self.auto_budget(batch)[0])
 
+    def _cost_model_at(self, batch: int, token_counts):
+        """The cost model, measured at this batch size first when it was not yet (once per device: batch 1 when the
+        method is built, other batch sizes when they are first used)."""
+        from jaxspec.budget import load_or_measure_cost_model
+
+        if batch not in self.cost_model.batch_sizes:
+            self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,), token_counts=token_counts)
+        return self.cost_model
+
     def auto_tree(self, batch: int, greedy: bool = True):
         """(TreeShape, table) of --budget auto for eagle2/eagle3 at this batch size: the shape with the highest
         expected tokens/s from the device's verification cost model and the head's measured acceptance. Drafting is
@@ -113,12 +122,9 @@ class Method:
         sampled round keeps one of a node's children with their probability mass), measured at temperature 1, and
         the shapes with a prompt-lookup chain are left out (their acceptance at T > 0 is not modelled; at T=1 the
         chain cost more than it gave on MT-Bench and GSM8K, the README's results of 2026-12-05)."""
-        from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, load_or_measure_cost_model
+        from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree
 
-        if batch not in self.cost_model.batch_sizes:  # measured at the batch sizes in use, once per device
-            self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
-                                                         token_counts=EAGLE_TOKEN_COUNTS)
-        cost, layers = self.cost_model, self.target.config.num_layers
+        cost, layers = self._cost_model_at(batch, EAGLE_TOKEN_COUNTS), self.target.config.num_layers
 
         def draft_seconds(rows: int, shape) -> float:
             steps = shape.depth * cost.verify_seconds(rows, shape.top_k)  # the head's forwards over the tree
@@ -147,12 +153,9 @@ class Method:
         device's cost model and the head's measured tokens per round at each budget (`budget_taus`; greedy, also
         used for sampled rounds). Drafting is costed as the head's forwards (one layer each) relative to the target's
         layers, on the same cost model."""
-        from jaxspec.budget import choose_budget, load_or_measure_cost_model
+        from jaxspec.budget import choose_budget
 
-        if batch not in self.cost_model.batch_sizes:  # measured at the batch sizes in use, once per device
-            self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
-                                                         token_counts=BUDGET_TOKEN_COUNTS)
-        cost, cfg, drafter = self.cost_model, self.target.config, self.drafter
+        cost, cfg, drafter = self._cost_model_at(batch, BUDGET_TOKEN_COUNTS), self.target.config, self.drafter
         budgets = auto_budgets(drafter, self.spec)
 
         def draft_seconds(rows: int, budget: int) -> float:
