@@ -203,38 +203,6 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale=Non
     return out.reshape(b, t, hq, h)
 
 
-def cache_visibility(lengths: jax.Array, mask: jax.Array | None, num_slots: int) -> jax.Array:
-    """bool[B, T, S]: the cache slots each of T new tokens sees once the new tokens are written at
-    [lengths[b], lengths[b] + T): the committed slots, and the new tokens its `mask` (bool[B, T, T], None for a
-    single token) lets it see."""
-    slot = jnp.arange(num_slots, dtype=jnp.int32)  # [S]
-    committed = slot[None, None, :] < lengths[:, None, None]  # [B, 1, S]
-    offset = slot[None, :] - lengths[:, None]  # [B, S]: which new token a slot holds, if in [0, T)
-    if mask is None:
-        return committed | (offset == 0)[:, None, :]
-    t = mask.shape[-1]
-    which = jnp.broadcast_to(jnp.clip(offset, 0, t - 1)[:, None, :], mask.shape[:2] + (num_slots,))  # [B, T, S]
-    new = jnp.take_along_axis(mask, which, axis=2)  # [B, T, S]
-    return committed | (new & ((offset >= 0) & (offset < t))[:, None, :])
-
-
-def _attention_in_cache(q, cache_k, cache_v, visible, scale=None):
-    """Attention of T new queries over cache slots that already hold the new tokens' keys and values.
-
-    q: [B, T, Hq, h]; cache_k, cache_v: [B, Hkv, S, h]; visible: bool[B, T, S] (`cache_visibility`). The two
-    products keep the (b, k) batch axes leading and the slot axis in place, as in `_attention`. Returns [B, T, Hq, h].
-    """
-    b, t, hq, h = q.shape
-    hkv = cache_k.shape[1]
-    scale = 1.0 / math.sqrt(h) if scale is None else scale
-    q = q.reshape(b, t, hkv, hq // hkv, h) * scale  # [b, t, k, g, h]
-    scores = jnp.einsum("btkgh,bksh->bkgts", q, cache_k.astype(q.dtype),
-                        preferred_element_type=jnp.float32)  # [b, k, g, t, s]
-    probs = jax.nn.softmax(jnp.where(visible[:, None, None, :, :], scores, NEG_INF), axis=-1)
-    out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(q.dtype), cache_v.astype(q.dtype))  # [b, k, g, t, h]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, h)
-
-
 def _rowwise(spec: str, x: jax.Array, w: jax.Array, rowwise: bool, **einsum_kwargs) -> jax.Array:
     """einsum(spec, x, w) for x: [B, T, ...]; with `rowwise`, one matrix-vector product per (b, t) row.
 
@@ -310,21 +278,21 @@ def mixture_of_experts(cfg: ModelConfig, x: jax.Array, lw: LayerWeights, model_a
 
 
 def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, cache_lengths, positions, mask,
-           model_axis=None, rowwise: bool = False, window=None, visible=None):
+           model_axis=None, rowwise: bool = False, window=None, in_place: bool = False):
     """One decoder layer. x: [B, T, d]; lw: one layer's weights (no L axis); cache_k/v: [B, Hkv, S, h] or None.
 
     Head counts come from the weights' shapes, so inside shard_map with the heads and f split over `model_axis`
     this runs on the local slice and sums the two output projections over the axis (Megatron-style).
     rowwise: the projections as one matrix-vector product per row (`_rowwise`). inv_freq: [h/2], this layer's RoPE;
     window: None, or this layer's sliding window (int32 scalar, 0 for a global layer; see `_attention`).
-    visible: bool[B, T, S] (`cache_visibility`) to write the new keys and values into this layer's own cache buffer
-    first and attend over it (a per-layer cache, updated in place); then returns the written buffers.
-    Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]), or with `visible` (x_out, cache_k, cache_v)
+    in_place: cache_k/v are this layer's own buffers of a per-layer cache: the new keys and values are written into
+    them (in place inside a jitted loop) and the written buffers returned.
+    Returns (x_out [B, T, d], new_k [B, Hkv, T, h], new_v [B, Hkv, T, h]), or with `in_place` (x_out, cache_k, cache_v)
     [B, Hkv, S, h] each.
     """
     if isinstance(lw, FeatureMajorLayer):
         return _feature_major_layer(cfg, inv_freq, x, lw, cache_k, cache_v, cache_lengths, positions, mask, window,
-                                    visible)
+                                    in_place)
     hx = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
     q = _rowwise("btd,dnh->btnh", hx, lw.wq, rowwise)
     k = _rowwise("btd,dkh->btkh", hx, lw.wk, rowwise)
@@ -332,7 +300,7 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
     if lw.bq is not None:
         q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
     attn, new_k, new_v = _attend(cfg, inv_freq, q, k, v, lw.q_norm, lw.k_norm, cache_k, cache_v, cache_lengths,
-                                 positions, mask, window, visible)
+                                 positions, mask, window, in_place)
     if lw.wq_gate is not None:  # Qwen3.5: each head's output gated by sigmoid(x wq_gate)
         attn = attn * jax.nn.sigmoid(_rowwise("btd,dnh->btnh", hx, lw.wq_gate, rowwise)).astype(attn.dtype)
     # the heads flattened into one contraction axis: as "btnh,nhd->btd" XLA copied a transposed wo every step
@@ -345,24 +313,26 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
 
 
 def _attend(cfg: ModelConfig, inv_freq, q, k, v, q_norm, k_norm, cache_k, cache_v, cache_lengths, positions, mask,
-            window, visible):
+            window, in_place):
     """A layer's attention from its projections: q [B, T, Hq, h], k, v [B, T, Hkv, h] (biases added), then the
     query and key norms (or None), RoPE, and attention over the cache (see `_layer` for the other arguments).
-    Returns (attn [B, T, Hq, h], new_k [B, Hkv, T, h], new_v), or with `visible` (attn, cache_k, cache_v) with the
+    Returns (attn [B, T, Hq, h], new_k [B, Hkv, T, h], new_v), or with `in_place` (attn, cache_k, cache_v) with the
     new entries written."""
     if q_norm is not None:
         q = rms_norm(q, q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, k_norm, cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    if visible is None:
-        attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window)
+    attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window)
+    if not in_place:
         return attn, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    # written before the attention reads it: the read depends on the write, so XLA updates the loop-carried buffer
-    # in place (written after its read, it copied every layer's buffer every step to keep the old one)
-    cache_k = write_layer_entries(cache_k, cache_lengths, k)
-    cache_v = write_layer_entries(cache_v, cache_lengths, v)
-    return _attention_in_cache(q, cache_k, cache_v, visible, cfg.attention_scale), cache_k, cache_v
+    # Written after the attention has read the buffers, and made to depend on that read (a zero taken from its
+    # output): XLA then writes the loop-carried buffers in place. Unordered, it copied every buffer two or three times
+    # a step to keep the old contents; written first and read back, it fused the write into both of its users, each
+    # with its own copy (batch 1, 256 slots: 5.6 of 33 ms a step; docs/cpu-performance.md, eighth pass).
+    after_read = jnp.zeros((), k.dtype) * attn[0, 0, 0, 0].astype(k.dtype)  # 0.0, once the attention has run
+    return (attn, write_layer_entries(cache_k, cache_lengths, k + after_read),
+            write_layer_entries(cache_v, cache_lengths, v + after_read))
 
 
 @jax.tree_util.register_dataclass
@@ -414,7 +384,7 @@ def _rms_norm_features(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
 
 
 def _feature_major_layer(cfg: ModelConfig, inv_freq, x, lw: FeatureMajorLayer, cache_k, cache_v, cache_lengths,
-                         positions, mask, window, visible):
+                         positions, mask, window, in_place):
     """`_layer` over a FeatureMajorLayer: the same inputs and outputs; inside, the activations are [d, N]."""
     b, t, d = x.shape
     hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -428,7 +398,7 @@ def _feature_major_layer(cfg: ModelConfig, inv_freq, x, lw: FeatureMajorLayer, c
     qkv = qkv.T.reshape(b, t, hq + 2 * hkv, h)  # [B, T, Hq + 2 Hkv, h]
     q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
     attn, new_k, new_v = _attend(cfg, inv_freq, q, k, v, lw.q_norm, lw.k_norm, cache_k, cache_v, cache_lengths,
-                                 positions, mask, window, visible)  # attn [B, T, Hq, h]
+                                 positions, mask, window, in_place)  # attn [B, T, Hq, h]
     out = lw.wo @ attn.reshape(b * t, hq * h).T  # [d, N]
     if lw.post_attn_norm is not None:
         out = _rms_norm_features(out, lw.post_attn_norm, cfg.rms_norm_eps)
@@ -592,7 +562,7 @@ def run_layers(cfg: ModelConfig, layers: LayerWeights, x, positions, cache_k, ca
 def run_layers_in_place(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, positions, cache: KVCache, mask, *,
                         keep_hidden: bool = False):
     """Runs per-layer weights over a per-layer cache, each layer writing its new keys and values into its own buffer
-    before attending over it (`_layer` with `visible`): in a jitted loop the buffers are updated in place.
+    once it has attended over it (`_layer` with `in_place`): in a jitted loop the buffers are updated in place.
 
     layers: a tuple of Lr LayerWeights; x: [B, T, d]; positions: int32[B, T]; cache: a per-layer KVCache of Lr
     layers; mask: bool[B, T, T] or None (one token). Returns (x [B, T, d], the cache with the new entries written
@@ -601,11 +571,10 @@ def run_layers_in_place(cfg: ModelConfig, layers: tuple[LayerWeights, ...], x, p
     inv_freq = rope_inverse_frequencies(cfg)
     b, t = x.shape[:2]
     rowwise = 1 < b * t <= ROWWISE_MAX_ROWS
-    visible = cache_visibility(cache.lengths, mask, cache.max_length)  # [B, T, S]
     keys, values, hidden = [], [], []
     for lw, ck, cv in zip(layers, cache.k, cache.v, strict=True):
         x, ck, cv = _layer(cfg, inv_freq, x, lw, ck, cv, cache.lengths, positions, mask, rowwise=rowwise,
-                           visible=visible)
+                           in_place=True)
         keys.append(ck)
         values.append(cv)
         hidden.append(x)
