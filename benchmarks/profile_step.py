@@ -5,6 +5,7 @@
     python benchmarks/profile_step.py --method eagle3          # a speculative round: draft / verify / commit
     python benchmarks/profile_step.py --unstacked              # the layers as per-layer buffers (CPU)
     python benchmarks/profile_step.py --method eagle3 --by-op  # each phase split by kind of op
+    python benchmarks/profile_step.py --method jetspec --drafter runs/jetspec-smollm2-135m/drafter --budget 4
     python benchmarks/profile_step.py --matmul                 # 30 chained 576 x 1536 products, stacked vs per layer
     python benchmarks/profile_step.py --attention              # attention over the cache: two product orientations
 
@@ -59,7 +60,8 @@ def profile_loop(args) -> None:
         from jaxspec.methods import MethodOptions, build_method
         from jaxspec.speculative import speculative_generate_tokens
 
-        method = build_method(args.method, target, MethodOptions())
+        method = build_method(args.method, target, MethodOptions(
+            drafter=args.drafter, budget=int(args.budget) if str(args.budget).isdigit() else args.budget))
         drafter = method.drafter_for_batch(b)
         fn = speculative_generate_tokens
         call_args = (weights, cfg, drafter, method.params, tokens, lengths, jax.random.key(0))
@@ -165,6 +167,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--method", default="autoregressive", help="autoregressive or a round-based method (eagle3, ...)")
+    p.add_argument("--drafter", default=None, help="the drafter folder (default: the method's shipped one)")
+    p.add_argument("--budget", default=None, help="the method's --budget (a tree budget, or auto)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=256, help="cache slots per row")
     p.add_argument("--steps", type=int, default=33, help="new tokens")

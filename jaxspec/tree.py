@@ -159,7 +159,9 @@ def best_first_tree(log_probs: jax.Array, budget: int, width: int):
         (False when the candidates ran out), scores float32[B, budget] cumulative log-probs), nodes in pop order.
     """
     depth_count = log_probs.shape[1]
-    top_lp, top_ids = jax.lax.top_k(log_probs, width)  # [B, D, W]
+    # behind a barrier: read by the pops' dynamic indexing, XLA:CPU otherwise ran this top-k as a full stable sort of
+    # the vocabulary (12 ms for [1, 8, 8192], 100x its top-k kernel; docs/cpu-performance.md, eighth pass)
+    top_lp, top_ids = jax.lax.optimization_barrier(jax.lax.top_k(log_probs, width))  # [B, D, W]
     slots = (budget + 1) * width
 
     def one_row(top_lp, top_ids):  # [D, W] each
