@@ -95,6 +95,15 @@ def test_best_first_tree_on_a_hand_made_example():
     np.testing.assert_allclose(np.exp(scores), [0.6, 0.3, 0.27, 0.24, 0.135], rtol=1e-6)
 
 
+def test_best_first_tree_takes_the_top_k_without_sorting_the_vocabulary():
+    """Its compiled program takes each depth's top W with a top-k, not a sort of the whole vocabulary (XLA:CPU sorted
+    it when the pops' dynamic indexing read the top-k directly: 12 ms for [1, 8, 8192], 100x the top-k)."""
+    log_probs = jnp.zeros((1, 8, 512), jnp.float32)  # [B, D, Vd]
+    hlo = jax.jit(best_first_tree, static_argnums=(1, 2)).lower(log_probs, 4, 4).compile().as_text()
+    sorts = [line for line in hlo.splitlines() if " sort(" in line and ",512]" in line.split(" sort(")[0]]
+    assert not sorts, sorts
+
+
 # ---------------------------------------------------------------------------------------------- masks
 
 
