@@ -12,6 +12,9 @@ import json
 import os
 from typing import Any
 
+import jax
+import numpy as np
+
 from jaxspec.errors import UserError
 from jaxspec.generate import GenerationResult, generate
 from jaxspec.loading import LoadedModel, load_model
@@ -151,16 +154,18 @@ class Method:
     def auto_budget(self, batch: int) -> tuple[int, list[dict]]:
         """(budget, table) of --budget auto at this batch size: the budget with the highest expected tokens/s from the
         device's cost model and the head's measured tokens per round at each budget (`budget_taus`; greedy, also
-        used for sampled rounds). Drafting is costed as the head's forwards (one layer each) relative to the target's
-        layers, on the same cost model."""
+        used for sampled rounds). Drafting is costed on the same cost model as the head's forwards a round, each
+        reading all of the head's weights (its layer, fusion and LM head over the draft vocabulary: 2.8 target
+        layers for the SmolLM2 heads), in proportion to the target's layers."""
         from jaxspec.budget import choose_budget
 
         cost, cfg, drafter = self._cost_model_at(batch, BUDGET_TOKEN_COUNTS), self.target.config, self.drafter
         budgets = auto_budgets(drafter, self.spec)
+        head_in_layers = parameter_count(self.params) / (parameter_count(self.target.weights.layers) / cfg.num_layers)
 
         def draft_seconds(rows: int, budget: int) -> float:
-            layers = dataclasses.replace(drafter, budget=budget).draft_cost_layers(cfg)
-            return layers / cfg.num_layers * cost.verify_seconds(rows, budget + 1)
+            forwards = dataclasses.replace(drafter, budget=budget).draft_cost_layers(cfg)  # one a head forward
+            return forwards * head_in_layers / cfg.num_layers * cost.verify_seconds(rows, budget + 1)
 
         return choose_budget(cost, batch, budgets=budgets, tau=self.budget_taus, draft_seconds=draft_seconds)
 
@@ -178,6 +183,11 @@ class Method:
                                      **kwargs)
         drafter = self.drafter_for_batch(len(prompt_ids), greedy=sampling.temperature == 0)
         return speculative_generate(t.weights, t.config, drafter, self.params, prompt_ids, mesh=self.mesh, **kwargs)
+
+
+def parameter_count(tree) -> int:
+    """The number of elements in a pytree of arrays (weights of any layout, stacked or per layer)."""
+    return int(sum(np.size(leaf) for leaf in jax.tree.leaves(tree)))
 
 
 def build_method(name: str, target: LoadedModel, options: MethodOptions = MethodOptions()) -> Method:
