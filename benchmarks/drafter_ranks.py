@@ -2,6 +2,10 @@
 of prompts it never saw (an overfit head shows a large gap).
 
     python benchmarks/drafter_ranks.py --data data/regen-smollm2-135m-b64 --seen 0:12 --unseen-from-prompt 2000
+    python benchmarks/drafter_ranks.py --prompt-sets mt-bench,gsm8k,humaneval --limit 8 --depth 4
+
+With --prompt-sets the target first answers the evaluation prompts (greedy, into a temporary folder that is deleted
+after: measurement only, never training data), and the head is measured on each set's answers.
 
 For each row the head runs teacher-forced (`jaxspec.drafters.eagle.draft_ranks`, what a round drafts while it is
 accepted); printed: P(the head's top choice is the target's token at every depth up to j) and the tau of a chain of
@@ -12,6 +16,8 @@ the first 2000 ShareGPT prompts.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 
 import numpy as np
 
@@ -46,7 +52,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--drafter", default=None, help="an EAGLE-3 drafter folder (default: the shipped one)")
-    p.add_argument("--data", required=True, help="a folder written by `jaxspec regenerate` with this target")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="a folder written by `jaxspec regenerate` with this target")
+    source.add_argument("--prompt-sets", help="comma-separated evaluation sets (mt-bench, gsm8k, humaneval): the "
+                        "target answers their prompts first and the head is measured on each set's answers")
+    p.add_argument("--limit", type=int, default=8, help="--prompt-sets: prompts a set")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="--prompt-sets: tokens of each answer")
     p.add_argument("--seen", default="0:12",
                    help="sample range start:end the head was trained on ('none': --data holds held-out samples only)")
     p.add_argument("--unseen-from-prompt", type=int, default=2000,
@@ -58,6 +69,9 @@ def main() -> None:
     target = load_model(args.model)
     method = build_method("eagle3", target, MethodOptions(drafter=args.drafter, num_draft_tokens=args.depth,
                                                           tree_width=1, tree_nodes=args.depth))
+    if args.prompt_sets:
+        measure_prompt_sets(method, target, args)
+        return
     dataset = RegeneratedDataset(args.data, verify=False)
     dataset.check_target(target.fingerprint())
     start, end = (0, 0) if args.seen == "none" else (int(x) for x in args.seen.split(":"))
@@ -72,6 +86,25 @@ def main() -> None:
         print(f"{name}: {positions} positions, P(top-1 through depth j) {np.round(hits, 3).tolist()}, "
               f"chain-of-{args.depth} tau {tau:.2f}, {vocabulary_coverage(method, dataset, indices):.1%} of the "
               "response tokens in the draft vocabulary")
+
+
+def measure_prompt_sets(method, target, args) -> None:
+    """The head on the target's greedy answers to each evaluation set's first `--limit` prompts."""
+    from jaxspec.data import regenerate
+    from jaxspec.prompts import load_prompt_set
+
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.prompt_sets.split(","):
+            folder = os.path.join(scratch, name)
+            regenerate(target, load_prompt_set(name, limit=args.limit), folder, max_prompt_tokens=4096,
+                       max_new_tokens=args.max_new_tokens, batch_size=min(args.limit, 8), progress=False,
+                       prompt_source=f"{name} (measurement only)")
+            dataset = RegeneratedDataset(folder, verify=False)
+            indices = list(range(len(dataset.prompt_lengths)))
+            hits, tau, positions = chain_acceptance(method, target, dataset, indices, args.depth)
+            print(f"{name} ({len(indices)} answers, {positions} positions): P(top-1 through depth j) "
+                  f"{np.round(hits, 3).tolist()}, chain-of-{args.depth} tau {tau:.2f}, "
+                  f"{vocabulary_coverage(method, dataset, indices):.1%} of the response tokens in the draft vocabulary")
 
 
 if __name__ == "__main__":
