@@ -100,7 +100,7 @@ def measure_prompt_sets(method, target, args) -> None:
                        max_new_tokens=args.max_new_tokens, batch_size=min(args.limit, 8), progress=False,
                        prompt_source=f"{name} (measurement only)")
             dataset = RegeneratedDataset(folder, verify=False)
-            indices = list(range(len(dataset.prompt_lengths)))
+            indices = list(range(dataset.num_samples))
             hits, tau, positions = chain_acceptance(method, target, dataset, indices, args.depth)
             print(f"{name} ({len(indices)} answers, {positions} positions): P(top-1 through depth j) "
                   f"{np.round(hits, 3).tolist()}, chain-of-{args.depth} tau {tau:.2f}, "

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.arguments import parse_budget
 from jaxspec.generate import generate_tokens
 from jaxspec.loading import DEFAULT_MODEL, load_model
 from jaxspec.model import feature_major_layers
@@ -60,8 +61,7 @@ def profile_loop(args) -> None:
         from jaxspec.methods import MethodOptions, build_method
         from jaxspec.speculative import speculative_generate_tokens
 
-        method = build_method(args.method, target, MethodOptions(
-            drafter=args.drafter, budget=int(args.budget) if str(args.budget).isdigit() else args.budget))
+        method = build_method(args.method, target, MethodOptions(drafter=args.drafter, budget=args.budget))
         drafter = method.drafter_for_batch(b)
         fn = speculative_generate_tokens
         call_args = (weights, cfg, drafter, method.params, tokens, lengths, jax.random.key(0))
@@ -168,7 +168,7 @@ def main() -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--method", default="autoregressive", help="autoregressive or a round-based method (eagle3, ...)")
     p.add_argument("--drafter", default=None, help="the drafter folder (default: the method's shipped one)")
-    p.add_argument("--budget", default=None, help="the method's --budget (a tree budget, or auto)")
+    p.add_argument("--budget", type=parse_budget, default=None, help="the method's --budget (a tree budget, or auto)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=256, help="cache slots per row")
     p.add_argument("--steps", type=int, default=33, help="new tokens")

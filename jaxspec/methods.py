@@ -563,7 +563,6 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
     Read from the drafter's folder when it holds them for this head and target (`save_draft_ranks`; the shipped
     drafter does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the
     calibration prompts and one teacher-forced pass of the head) and cached there."""
-    import numpy as np
 
     from jaxspec.budget import cache_folder
 
@@ -595,9 +594,6 @@ def _head_digest(target: LoadedModel, params) -> str:
     """Names a head's parameters together with its target (what measured ranks depend on besides the prompts)."""
     import hashlib
 
-    import jax
-    import numpy as np
-
     digest = hashlib.sha256(target.fingerprint().encode())
     for leaf in jax.tree.leaves(params):
         digest.update(np.asarray(leaf).tobytes())
@@ -607,8 +603,6 @@ def _head_digest(target: LoadedModel, params) -> str:
 def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
     """Measures an EAGLE head's ranks on the calibration prompts and stores them in its drafter folder, so that
     --budget auto needs no calibration run on first use. Returns the file's path."""
-    import numpy as np
-
     path = os.path.join(folder, DRAFT_RANKS_FILE)
     ranks, runs, mass = _measure_draft_ranks(target, drafter, params)
     np.savez(path, ranks=ranks, lookup_runs=runs, draft_mass=mass, target=target.fingerprint(),
@@ -619,7 +613,6 @@ def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
 def _calibration_prompts(target: LoadedModel) -> list[list[int]]:
     """CALIBRATION_PROMPTS as token ids (chat template applied); a bare checkpoint without a tokenizer gets fixed
     random 16-token prompts instead (the target's own continuations of them are what is measured)."""
-    import numpy as np
 
     from jaxspec.tokenizer import encode_prompt
 
@@ -707,8 +700,6 @@ def _measure_budget_taus(target: LoadedModel, drafter, params, budgets) -> dict[
 
 
 def _measure_draft_ranks(target: LoadedModel, drafter, params):
-    import numpy as np
-
     from jaxspec.drafters.eagle import draft_statistics
     from jaxspec.drafters.prompt_lookup import lookup_runs
 
