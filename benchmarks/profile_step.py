@@ -61,7 +61,8 @@ def profile_loop(args) -> None:
         from jaxspec.methods import MethodOptions, build_method
         from jaxspec.speculative import speculative_generate_tokens
 
-        method = build_method(args.method, target, MethodOptions(drafter=args.drafter, budget=args.budget))
+        method = build_method(args.method, target, MethodOptions(drafter=args.drafter, budget=args.budget,
+                                                                  num_draft_tokens=args.num_draft_tokens))
         drafter = method.drafter_for_batch(b)
         fn = speculative_generate_tokens
         call_args = (weights, cfg, drafter, method.params, tokens, lengths, jax.random.key(0))
@@ -168,6 +169,8 @@ def main() -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--method", default="autoregressive", help="autoregressive or a round-based method (eagle3, ...)")
     p.add_argument("--drafter", default=None, help="the drafter folder (default: the method's shipped one)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="a chain of this many drafted tokens by hand (instead of --budget)")
     p.add_argument("--budget", type=parse_budget, default=None, help="the method's --budget (a tree budget, or auto)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=256, help="cache slots per row")

@@ -286,13 +286,13 @@ def enable_compilation_cache() -> str | None:
 
 
 # what a timed forward runs, and the timing itself (this module)
-FORWARD_MODULES = ("model", "cache", "verification", "tree", "gated_delta", "sharding", "generate", "budget")
+FORWARD_MODULES = ("model", "cache", "verification", "tree", "gated_delta", "sharding", "generate", "budget", "kernels")
 
 
 @functools.lru_cache(maxsize=1)
 def forward_code_digest() -> str:
     """16 hex digits naming the code a cost model times: the source of jaxspec's forward modules (FORWARD_MODULES)
-    and the JAX and jaxlib versions. A cost model measured before the forward changed (a faster layout, a fix) would
+    the CPU kernel's source, and the JAX and jaxlib versions. A cost model measured before the forward changed (a faster layout, a fix) would
     otherwise keep choosing trees from the old seconds."""
     import hashlib
     import importlib
@@ -303,6 +303,9 @@ def forward_code_digest() -> str:
     for name in FORWARD_MODULES:
         with open(importlib.import_module(f"jaxspec.{name}").__file__, "rb") as f:
             digest.update(f.read())
+    from jaxspec.kernels import source_digest
+
+    digest.update(source_digest().encode())  # the C++ kernel's source (jaxspec/kernels/small_product.cc)
     return digest.hexdigest()[:16]
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxspec.cache import KVCache, empty_linear_state, write_layer_entries, write_new_entries
 from jaxspec.config import ModelConfig, RopeScaling
+from jaxspec.kernels import feature_major_product
 from jaxspec.gated_delta import (
     PendingDelta,
     chain_conv,
@@ -389,7 +390,7 @@ def _feature_major_layer(cfg: ModelConfig, inv_freq, x, lw: FeatureMajorLayer, c
     b, t, d = x.shape
     hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     xt = x.reshape(b * t, d).T  # [d, N]
-    qkv = lw.wqkv @ _rms_norm_features(xt, lw.attn_norm, cfg.rms_norm_eps)  # [(Hq + 2 Hkv) h, N]
+    qkv = feature_major_product(lw.wqkv, _rms_norm_features(xt, lw.attn_norm, cfg.rms_norm_eps))  # [(Hq + 2 Hkv) h, N]
     # kept feature-major: XLA would fold the transpose below into the product, whose transposed left operand
     # XLA:CPU's library kernel does not take (its generic loop then cost 0.6 ms a layer at 6-8 rows)
     qkv = jax.lax.optimization_barrier(qkv)
@@ -399,13 +400,13 @@ def _feature_major_layer(cfg: ModelConfig, inv_freq, x, lw: FeatureMajorLayer, c
     q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
     attn, new_k, new_v = _attend(cfg, inv_freq, q, k, v, lw.q_norm, lw.k_norm, cache_k, cache_v, cache_lengths,
                                  positions, mask, window, in_place)  # attn [B, T, Hq, h]
-    out = lw.wo @ attn.reshape(b * t, hq * h).T  # [d, N]
+    out = feature_major_product(lw.wo, attn.reshape(b * t, hq * h).T)  # [d, N]
     if lw.post_attn_norm is not None:
         out = _rms_norm_features(out, lw.post_attn_norm, cfg.rms_norm_eps)
     xt = xt + out
-    gate_up = lw.w_gate_up @ _rms_norm_features(xt, lw.mlp_norm, cfg.rms_norm_eps)  # [2f, N]
+    gate_up = feature_major_product(lw.w_gate_up, _rms_norm_features(xt, lw.mlp_norm, cfg.rms_norm_eps))  # [2f, N]
     f = gate_up.shape[0] // 2
-    out = lw.w_down @ (_activation(cfg, gate_up[:f]) * gate_up[f:])  # [d, N]
+    out = feature_major_product(lw.w_down, _activation(cfg, gate_up[:f]) * gate_up[f:])  # [d, N]
     if lw.post_mlp_norm is not None:
         out = _rms_norm_features(out, lw.post_mlp_norm, cfg.rms_norm_eps)
     return (xt + out).T.reshape(b, t, d), new_k, new_v
@@ -690,6 +691,10 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
         return jnp.einsum("btd,dv->btv", x, columns, preferred_element_type=jnp.float32)
     # one product for any number of rows: the output matrix (113 MB for SmolLM2 in float32) does not stay in the
     # cache between 1-row products, so `_rowwise` read it once a row (2-4 rows: 1.3-1.8x slower than one product)
+    if weights.lm_head is None and isinstance(weights.layers, tuple) and weights.embed.dtype == jnp.float32:
+        b, t, d = x.shape  # per-layer (CPU): the embedding [V, d] is the [out, in] matrix the few-token kernel takes
+        logits = feature_major_product(weights.embed, x.reshape(b * t, d).T)  # [V, N]
+        return logits.T.reshape(b, t, -1).astype(jnp.float32)
     if weights.lm_head is None:
         return jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)

@@ -1,0 +1,196 @@
+"""A CPU kernel XLA lacks: the product of a weight matrix with a few columns, reading the weight once.
+
+On CPU a decoding step multiplies every weight matrix with one column, which XLA runs as a matrix-vector loop at
+about the memory bandwidth; a verification of 2-8 tokens multiplies it with 2-8 columns, which XLA:CPU hands to a
+library matrix product that costs 1.6-1.9 such streams on the 2-core EPYC (docs/cpu-performance.md). The kernel in
+`small_product.cc` streams each row of the weight once and multiplies it with all the columns: on that machine
+2 / 4 columns of SmolLM2's MLPs cost 1.2 / 1.35 single-column products instead of 1.8 / 1.9.
+
+It is built on first use with the system's C++ compiler (g++, AVX2 and FMA; about 10 seconds) into
+`jaxspec.budget.cache_folder()`, and called through XLA's FFI. Whether it pays depends on the machine, so the
+number of columns up to which it runs is measured once per machine against XLA's own product (a few seconds) and
+cached beside it. $JAXSPEC_SMALL_PRODUCT overrides that: "off" (XLA's products only) or a column count (at most 8).
+Where the kernel cannot be built (no compiler, another CPU) XLA's product runs, and a warning says why once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = os.path.join(os.path.dirname(__file__), "small_product.cc")
+MAX_COLUMNS = 8  # kMaxColumns in small_product.cc
+ENV = "JAXSPEC_SMALL_PRODUCT"  # "off", a column count, or unset / "auto": measured once per machine
+TARGET_NAME = "jaxspec_small_product"
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def source_digest() -> str:
+    """16 hex digits naming the kernel's source, its compile flags and the jaxlib whose FFI headers it uses."""
+    import jaxlib
+
+    digest = hashlib.sha256(f"{jaxlib.__version__} {' '.join(COMPILE_FLAGS)}".encode())
+    with open(SOURCE, "rb") as f:
+        digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_has_avx2_fma() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _build(path: str) -> None:
+    """Compiles small_product.cc into the shared library `path` (written under another name, then renamed, so
+    processes building at the same time never load a half-written file)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        command = [compiler, *COMPILE_FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", partial]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+@functools.cache
+def load_kernel() -> str | None:
+    """Builds (once per machine) and registers the kernel with XLA; returns None when it is available, else why not."""
+    from jaxspec.budget import cache_folder
+
+    if not _cpu_has_avx2_fma():
+        return f"this CPU ({platform.machine()}) lacks AVX2 and FMA"
+    path = os.path.join(cache_folder(), "kernels", f"small_product-{source_digest()}.so")
+    try:
+        if not os.path.exists(path):
+            print("jaxspec: building the CPU kernel for few-token verification (once per machine, about 10 s) ...",
+                  file=sys.stderr)
+            _build(path)
+        library = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxspecSmallProduct), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"it could not be built or loaded: {e}"
+    return None
+
+
+def kernel_product(w: jax.Array, x: jax.Array) -> jax.Array:
+    """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 8 -> f32[out, N]."""
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(w, x)
+
+
+def _time_chain(product, matrices, columns: int, repeats: int = 5) -> float:
+    """Best seconds of one jitted pass of `product` over `matrices` (each [out, in], alternating shapes)."""
+    x = jnp.ones((matrices[0].shape[1], columns), jnp.float32) * 1e-3  # [in, N]
+
+    @jax.jit
+    def chain(ws, x):
+        for w_up, w_down in zip(ws[::2], ws[1::2]):
+            x = x + product(w_down, jnp.tanh(product(w_up, x)))  # [in, N]
+        return x
+
+    jax.block_until_ready(chain(matrices, x))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(chain(matrices, x))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_columns(d: int = 576, f: int = 1536, layers: int = 12) -> dict:
+    """Times XLA's product and the kernel on `layers` pairs of [f, d] / [d, f] matrices (85 MB at the defaults:
+    more than a CPU's caches, as a model's weights are) for 2..8 columns. Returns {"columns": the largest N up to
+    which the kernel was faster at every count, "seconds": {N: {"xla": s, "kernel": s}}}."""
+    rng = np.random.default_rng(0)
+    matrices = []
+    for _ in range(layers):
+        matrices.append(jnp.asarray(rng.standard_normal((f, d), np.float32) * 0.02))  # [f, d]
+        matrices.append(jnp.asarray(rng.standard_normal((d, f), np.float32) * 0.02))  # [d, f]
+    seconds, columns = {}, 0
+    for n in range(2, MAX_COLUMNS + 1):
+        xla = _time_chain(jnp.matmul, matrices, n)
+        kernel = _time_chain(kernel_product, matrices, n)
+        seconds[str(n)] = {"xla": xla, "kernel": kernel}
+        if kernel >= xla:
+            break
+        columns = n
+    return {"columns": columns, "seconds": seconds}
+
+
+@functools.cache
+def small_product_columns() -> int:
+    """Up to how many columns `feature_major_product` runs the kernel in this process (0: never): $JAXSPEC_SMALL_PRODUCT
+    when set, else measured once per machine (`measure_columns`) and cached as JSON in `cache_folder()`."""
+    from jaxspec.budget import cache_folder
+    from jaxspec.errors import UserError
+
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    if setting in ("off", "0", "no", "false"):
+        return 0
+    if setting != "auto":
+        columns = int(setting) if setting.isdigit() else -1
+        if not 2 <= columns <= MAX_COLUMNS:
+            raise UserError(f"${ENV} must be 'auto' (measure once per machine), 'off' (XLA's products only) or a "
+                            f"column count from 2 to {MAX_COLUMNS}; got {setting!r}.")
+    why_not = load_kernel()
+    if why_not is not None:
+        warnings.warn(f"jaxspec: XLA's own products verify few tokens on this CPU: the small-product kernel is off "
+                      f"because {why_not}", stacklevel=2)
+        return 0
+    if setting != "auto":
+        return columns
+    path = os.path.join(cache_folder(), f"small-product-{source_digest()}.json")
+    try:
+        with open(path) as f:
+            return int(json.load(f)["columns"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    print("jaxspec: timing the few-token kernel against XLA's product (once per machine, a few seconds) ...",
+          file=sys.stderr)
+    # the first call usually comes while a forward is being traced, where JAX would stage the timing's own arrays
+    # and programs into that trace instead of running them: a thread has a trace state of its own
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        measured = pool.submit(measure_columns).result()
+    from jaxspec.data import write_json
+
+    write_json(path, measured)
+    return int(measured["columns"])
+
+
+def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
+    """w @ x for a feature-major layer on CPU: w [out, in], x [in, N] -> [out, N]. By the kernel for float32 and
+    2 <= N <= `small_product_columns()`, by XLA otherwise (one column: XLA's matrix-vector loop is as fast)."""
+    n = x.shape[1]
+    if (n >= 2 and w.dtype == jnp.float32 and x.dtype == jnp.float32 and jax.default_backend() == "cpu"
+            and n <= small_product_columns()):
+        return kernel_product(w, x)
+    return w @ x
