@@ -291,9 +291,9 @@ FORWARD_MODULES = ("model", "cache", "verification", "tree", "gated_delta", "sha
 
 @functools.lru_cache(maxsize=1)
 def forward_code_digest() -> str:
-    """16 hex digits naming the code a cost model times: the source of jaxspec's forward modules (FORWARD_MODULES)
-    the CPU kernel's source, and the JAX and jaxlib versions. A cost model measured before the forward changed (a faster layout, a fix) would
-    otherwise keep choosing trees from the old seconds."""
+    """16 hex digits naming the code a cost model times: the source of jaxspec's forward modules (FORWARD_MODULES),
+    the CPU kernel's source, and the JAX and jaxlib versions. A cost model measured before the forward changed (a
+    faster layout, a fix) would otherwise keep choosing trees from the old seconds."""
     import hashlib
     import importlib
 

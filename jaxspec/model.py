@@ -21,7 +21,6 @@ import numpy as np
 
 from jaxspec.cache import KVCache, empty_linear_state, write_layer_entries, write_new_entries
 from jaxspec.config import ModelConfig, RopeScaling
-from jaxspec.kernels import feature_major_product
 from jaxspec.gated_delta import (
     PendingDelta,
     chain_conv,
@@ -30,6 +29,7 @@ from jaxspec.gated_delta import (
     tree_conv,
     tree_gated_delta,
 )
+from jaxspec.kernels import feature_major_product
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 

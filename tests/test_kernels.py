@@ -1,11 +1,10 @@
 """The CPU kernel for products with a few columns (jaxspec/kernels): its results against numpy in float64, where
 the per-layer forward calls it, and how the number of columns it serves is chosen."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from jaxspec import kernels
 from jaxspec.errors import UserError
