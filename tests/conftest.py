@@ -17,10 +17,10 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
 # compiling the faster; the suite runs the stacked scan (5x faster to compile) unless a test chooses: the choice
 # itself is tested in tests/test_budget.py.
 os.environ.setdefault("JAXSPEC_LAYERS", "stacked")
-# Where the per-layer layout runs, its products of 2-8 columns go through jaxspec's CPU kernel (jaxspec/kernels)
+# Where the per-layer layout runs, its products of 2-16 columns go through jaxspec's CPU kernel (jaxspec/kernels)
 # whenever it builds, rather than only where a timing on this machine says it pays: the tests check what it
 # computes, not its speed (tests/test_kernels.py tests the choice itself).
-os.environ.setdefault("JAXSPEC_SMALL_PRODUCT", "8")
+os.environ.setdefault("JAXSPEC_SMALL_PRODUCT", "16")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -41,39 +41,39 @@ def _custom_calls(columns: int) -> int:
 def test_feature_major_products_use_the_kernel_for_the_columns_chosen(monkeypatch):
     _kernel_or_skip()
     try:
-        for setting, served in [("8", range(2, 9)), ("3", range(2, 4)), ("off", ())]:
+        for setting, served in [("16", range(2, 17)), ("3", range(2, 4)), ("off", ())]:
             monkeypatch.setenv(kernels.ENV, setting)
             kernels.small_product_columns.cache_clear()
-            for n in range(1, 11):
+            for n in range(1, 19):
                 assert _custom_calls(n) == (1 if n in served else 0), (setting, n)
-        monkeypatch.setenv(kernels.ENV, "twelve")
+        monkeypatch.setenv(kernels.ENV, "seventeen")
         kernels.small_product_columns.cache_clear()
-        with pytest.raises(UserError, match="column count from 2 to 8"):
+        with pytest.raises(UserError, match="column count from 2 to 16"):
             kernels.small_product_columns()
     finally:
         kernels.small_product_columns.cache_clear()
 
 
 def test_the_columns_are_measured_once_and_cached(monkeypatch, tmp_path):
-    """Unset, the count is the longest run of column counts from 2 at which the kernel was faster, measured once
-    (the timing here replaced by a made-up one) and read back from the cache file after."""
+    """Unset, the column counts are those at which the kernel was faster, measured once (the timing here replaced
+    by a made-up one) and read back from the cache file after."""
     _kernel_or_skip()
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(kernels.ENV, "auto")
     calls = []
     chain = {2: (3.0, 2.0), 3: (3.0, 2.5), 4: (3.0, 3.5), 5: (3.0, 1.0)}  # n -> (xla, kernel) seconds
 
-    def fake_time_chain(product, matrices, columns, repeats=5):
+    def fake_time_chains(matrices, columns, repeats=7):
         calls.append(columns)
-        return chain.get(columns, (1.0, 2.0))[0 if product is jnp.matmul else 1]
+        return chain.get(columns, (1.0, 2.0))
 
-    monkeypatch.setattr(kernels, "_time_chain", fake_time_chain)
+    monkeypatch.setattr(kernels, "_time_chains", fake_time_chains)
     try:
         kernels.small_product_columns.cache_clear()
-        assert kernels.small_product_columns() == 3  # 4 columns were slower: 5 is not tried
-        assert sorted(set(calls)) == [2, 3, 4]
+        assert kernels.small_product_columns() == {2, 3, 5}  # slower at 4 and from 6 on
+        assert calls == list(range(2, kernels.MAX_COLUMNS + 1))
         kernels.small_product_columns.cache_clear()
-        assert kernels.small_product_columns() == 3 and sorted(set(calls)) == [2, 3, 4]  # from the file
+        assert kernels.small_product_columns() == {2, 3, 5} and len(calls) == kernels.MAX_COLUMNS - 1  # the file
     finally:
         kernels.small_product_columns.cache_clear()
 

@@ -8,8 +8,8 @@ library matrix product that costs 1.6-1.9 such streams on the 2-core EPYC (docs/
 
 It is built on first use with the system's C++ compiler (g++, AVX2 and FMA; about 10 seconds) into
 `jaxspec.budget.cache_folder()`, and called through XLA's FFI. Whether it pays depends on the machine, so the
-number of columns up to which it runs is measured once per machine against XLA's own product (a few seconds) and
-cached beside it. $JAXSPEC_SMALL_PRODUCT overrides that: "off" (XLA's products only) or a column count (at most 8).
+column counts at which it runs are measured once per machine against XLA's own product (about 15 seconds) and
+cached beside it. $JAXSPEC_SMALL_PRODUCT overrides that: "off" (XLA's products only) or a column count (at most 16).
 Where the kernel cannot be built (no compiler, another CPU) XLA's product runs, and a warning says why once.
 """
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = os.path.join(os.path.dirname(__file__), "small_product.cc")
-MAX_COLUMNS = 8  # kMaxColumns in small_product.cc
+MAX_COLUMNS = 16  # kMaxColumns in small_product.cc
 ENV = "JAXSPEC_SMALL_PRODUCT"  # "off", a column count, or unset / "auto": measured once per machine
 TARGET_NAME = "jaxspec_small_product"
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -102,60 +102,65 @@ def load_kernel() -> str | None:
 
 
 def kernel_product(w: jax.Array, x: jax.Array) -> jax.Array:
-    """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 8 -> f32[out, N]."""
+    """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 16 -> f32[out, N]."""
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(w, x)
 
 
-def _time_chain(product, matrices, columns: int, repeats: int = 5) -> float:
-    """Best seconds of one jitted pass of `product` over `matrices` (each [out, in], alternating shapes)."""
+def _time_chains(matrices, columns: int, repeats: int = 7) -> tuple[float, float]:
+    """Best seconds of one jitted pass over `matrices` (each [out, in], alternating shapes) with `columns` columns, by
+    XLA's product and by the kernel, timed in turn (a shared host drifts between two separate timings)."""
     x = jnp.ones((matrices[0].shape[1], columns), jnp.float32) * 1e-3  # [in, N]
 
-    @jax.jit
-    def chain(ws, x):
-        for w_up, w_down in zip(ws[::2], ws[1::2]):
-            x = x + product(w_down, jnp.tanh(product(w_up, x)))  # [in, N]
-        return x
+    def chain(product):
+        def run(ws, x):
+            for w_up, w_down in zip(ws[::2], ws[1::2]):
+                x = x + product(w_down, jnp.tanh(product(w_up, x)))  # [in, N]
+            return x
+        return jax.jit(run)
 
-    jax.block_until_ready(chain(matrices, x))
-    best = float("inf")
+    runs = [chain(jnp.matmul), chain(kernel_product)]
+    for run in runs:
+        jax.block_until_ready(run(matrices, x))
+    best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(chain(matrices, x))
-        best = min(best, time.perf_counter() - start)
-    return best
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            jax.block_until_ready(run(matrices, x))
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def measure_columns(d: int = 576, f: int = 1536, layers: int = 12) -> dict:
     """Times XLA's product and the kernel on `layers` pairs of [f, d] / [d, f] matrices (85 MB at the defaults:
-    more than a CPU's caches, as a model's weights are) for 2..8 columns. Returns {"columns": the largest N up to
-    which the kernel was faster at every count, "seconds": {N: {"xla": s, "kernel": s}}}."""
+    more than a CPU's caches, as a model's weights are) for 2..16 columns. Returns {"columns": the counts at which
+    the kernel was faster, "seconds": {N: {"xla": s, "kernel": s}}}. (XLA's library product is uneven: on the
+    2-core EPYC it was as fast as the kernel at 8 and 16 columns and 2.5x slower at 9-15.)"""
     rng = np.random.default_rng(0)
     matrices = []
     for _ in range(layers):
         matrices.append(jnp.asarray(rng.standard_normal((f, d), np.float32) * 0.02))  # [f, d]
         matrices.append(jnp.asarray(rng.standard_normal((d, f), np.float32) * 0.02))  # [d, f]
-    seconds, columns = {}, 0
+    seconds, columns = {}, []
     for n in range(2, MAX_COLUMNS + 1):
-        xla = _time_chain(jnp.matmul, matrices, n)
-        kernel = _time_chain(kernel_product, matrices, n)
+        xla, kernel = _time_chains(matrices, n)
         seconds[str(n)] = {"xla": xla, "kernel": kernel}
-        if kernel >= xla:
-            break
-        columns = n
+        if kernel < xla:
+            columns.append(n)
     return {"columns": columns, "seconds": seconds}
 
 
 @functools.cache
-def small_product_columns() -> int:
-    """Up to how many columns `feature_major_product` runs the kernel in this process (0: never): $JAXSPEC_SMALL_PRODUCT
-    when set, else measured once per machine (`measure_columns`) and cached as JSON in `cache_folder()`."""
+def small_product_columns() -> frozenset[int]:
+    """The column counts at which `feature_major_product` runs the kernel in this process: from
+    $JAXSPEC_SMALL_PRODUCT when set ("off": none, N: 2 to N), else measured once per machine (`measure_columns`) and
+    cached as JSON in `cache_folder()`."""
     from jaxspec.budget import cache_folder
     from jaxspec.errors import UserError
 
     setting = os.environ.get(ENV, "auto").strip().lower()
     if setting in ("off", "0", "no", "false"):
-        return 0
+        return frozenset()
     if setting != "auto":
         columns = int(setting) if setting.isdigit() else -1
         if not 2 <= columns <= MAX_COLUMNS:
@@ -165,16 +170,16 @@ def small_product_columns() -> int:
     if why_not is not None:
         warnings.warn(f"jaxspec: XLA's own products verify few tokens on this CPU: the small-product kernel is off "
                       f"because {why_not}", stacklevel=2)
-        return 0
+        return frozenset()
     if setting != "auto":
-        return columns
+        return frozenset(range(2, columns + 1))
     path = os.path.join(cache_folder(), f"small-product-{source_digest()}.json")
     try:
         with open(path) as f:
-            return int(json.load(f)["columns"])
+            return frozenset(int(n) for n in json.load(f)["columns"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    print("jaxspec: timing the few-token kernel against XLA's product (once per machine, a few seconds) ...",
+    print("jaxspec: timing the few-token kernel against XLA's product (once per machine, about 15 s) ...",
           file=sys.stderr)
     # the first call usually comes while a forward is being traced, where JAX would stage the timing's own arrays
     # and programs into that trace instead of running them: a thread has a trace state of its own
@@ -183,14 +188,14 @@ def small_product_columns() -> int:
     from jaxspec.data import write_json
 
     write_json(path, measured)
-    return int(measured["columns"])
+    return frozenset(measured["columns"])
 
 
 def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
-    """w @ x for a feature-major layer on CPU: w [out, in], x [in, N] -> [out, N]. By the kernel for float32 and
-    2 <= N <= `small_product_columns()`, by XLA otherwise (one column: XLA's matrix-vector loop is as fast)."""
+    """w @ x for a feature-major layer on CPU: w [out, in], x [in, N] -> [out, N]. By the kernel for float32 and N
+    in `small_product_columns()`, by XLA otherwise (one column: XLA's matrix-vector loop is as fast)."""
     n = x.shape[1]
-    if (n >= 2 and w.dtype == jnp.float32 and x.dtype == jnp.float32 and jax.default_backend() == "cpu"
-            and n <= small_product_columns()):
+    if (2 <= n <= MAX_COLUMNS and w.dtype == jnp.float32 and x.dtype == jnp.float32
+            and jax.default_backend() == "cpu" and n in small_product_columns()):
         return kernel_product(w, x)
     return w @ x

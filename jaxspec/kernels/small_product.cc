@@ -3,7 +3,7 @@
 // XLA:CPU multiplies one row with a matrix-vector loop that streams the weight at about the memory bandwidth, but
 // 2-8 rows through a library matrix product that costs about as much as 2-4 such streams (docs/cpu-performance.md).
 // This kernel streams each row of w once and multiplies it with all N columns of x (kept in L1): a verification
-// of N <= 8 tokens reads the weights once. Built by jaxspec/kernels/__init__.py, called through XLA's FFI.
+// of N <= 16 tokens reads the weights once. Built by jaxspec/kernels/__init__.py, called through XLA's FFI.
 //
 //   w: f32[out, in] (a FeatureMajorLayer matrix, or an embedding), x: f32[in, N], y: f32[out, N] = w @ x.
 #include <algorithm>
@@ -20,7 +20,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxColumns = 8;
+constexpr int kMaxColumns = 16;
 constexpr int64_t kChunkRows = 64;  // rows of w a task takes at a time
 
 inline float horizontal_sum(__m256 v) {
@@ -30,40 +30,51 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
-// y[o, :] for o in [o0, o1): xr is x transposed, [N, in] (each column of x contiguous). One row of w at a time,
-// prefetched 4 KB ahead: on the 2-core EPYC that streams the weights at about XLA's matrix-vector bandwidth for
-// N = 1, and keeps N = 2-4 within 1.25x of it (two rows at a time, or no prefetch, were 10-25% slower).
+// One row of w times G columns of x: yo[n] = w_row . xr[n] for n < G (xr is x transposed, [N, in], each column
+// contiguous and kept in L1). The row is prefetched 4 KB ahead: on the 2-core EPYC that streams the weights at about
+// XLA's matrix-vector bandwidth for one column, and keeps 2-4 within 1.25x of it (two rows at a time, or no
+// prefetch, were 10-25% slower).
 constexpr int64_t kPrefetchFloats = 1024;
+constexpr int kGroup = 8;  // columns per pass over a row: 8 accumulators, one weight and one column register
 
-template <int N>
-void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, int64_t o0, int64_t o1) {
+template <int G>
+void row_times_columns(const float* wo, const float* xr, float* yo, int64_t in, bool prefetch) {
   const int64_t vec_end = in - in % 8;
+  __m256 acc[G];
+  for (int n = 0; n < G; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < vec_end; i += 8) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wo + i + kPrefetchFloats), _MM_HINT_T0);
+    const __m256 wv = _mm256_loadu_ps(wo + i);
+    for (int n = 0; n < G; ++n) acc[n] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + n * in + i), acc[n]);
+  }
+  for (int n = 0; n < G; ++n) {
+    float sum = horizontal_sum(acc[n]);
+    for (int64_t i = vec_end; i < in; ++i) sum += wo[i] * xr[n * in + i];
+    yo[n] = sum;
+  }
+}
+
+using RowKernel = void (*)(const float*, const float*, float*, int64_t, bool);
+constexpr RowKernel kRowKernels[kGroup + 1] = {
+    nullptr, row_times_columns<1>, row_times_columns<2>, row_times_columns<3>, row_times_columns<4>,
+    row_times_columns<5>, row_times_columns<6>, row_times_columns<7>, row_times_columns<8>};
+
+// y[o, :] for o in [o0, o1): each row read from memory once, its columns in passes of up to 8 (the second pass
+// reads the row from L1).
+void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, int64_t columns, int64_t o0,
+                        int64_t o1) {
   for (int64_t o = o0; o < o1; ++o) {
-    const float* wo = w + o * in;
-    __m256 acc[N];
-    for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < vec_end; i += 8) {
-      _mm_prefetch(reinterpret_cast<const char*>(wo + i + kPrefetchFloats), _MM_HINT_T0);
-      const __m256 wv = _mm256_loadu_ps(wo + i);
-      for (int n = 0; n < N; ++n) acc[n] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + n * in + i), acc[n]);
-    }
-    for (int n = 0; n < N; ++n) {
-      float sum = horizontal_sum(acc[n]);
-      for (int64_t i = vec_end; i < in; ++i) sum += wo[i] * xr[n * in + i];
-      y[o * N + n] = sum;
+    for (int64_t n0 = 0; n0 < columns; n0 += kGroup) {
+      const int64_t group = std::min<int64_t>(kGroup, columns - n0);
+      kRowKernels[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, n0 == 0);
     }
   }
 }
 
-using RowsKernel = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t);
-constexpr RowsKernel kKernels[kMaxColumns + 1] = {
-    nullptr, rows_times_columns<1>, rows_times_columns<2>, rows_times_columns<3>, rows_times_columns<4>,
-    rows_times_columns<5>, rows_times_columns<6>, rows_times_columns<7>, rows_times_columns<8>};
-
 // The chunks of one call, taken by the caller and by the tasks it schedules on XLA's intra-op pool. A task that
 // starts after the last chunk was taken does nothing, so the caller waits only for the chunks, never for the tasks.
 struct Work {
-  RowsKernel kernel;
+  int64_t columns;
   const float* w;
   const float* xr;
   float* y;
@@ -73,7 +84,7 @@ struct Work {
   void run() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
       const int64_t o0 = c * kChunkRows, o1 = std::min(out, o0 + kChunkRows);
-      kernel(w, xr, y, in, o0, o1);
+      rows_times_columns(w, xr, y, in, columns, o0, o1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -87,14 +98,14 @@ ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buff
   }
   const int64_t out = w_dims[0], in = w_dims[1], columns = x_dims[1];
   if (columns < 1 || columns > kMaxColumns) {
-    return ffi::Error::InvalidArgument("jaxspec_small_product: x must have 1 to 8 columns");
+    return ffi::Error::InvalidArgument("jaxspec_small_product: x must have 1 to 16 columns");
   }
   std::vector<float> xr(columns * in);  // x transposed: [N, in]
   const float* xd = x.typed_data();
   for (int64_t i = 0; i < in; ++i)
     for (int64_t n = 0; n < columns; ++n) xr[n * in + i] = xd[i * columns + n];
   auto work = std::make_shared<Work>();
-  work->kernel = kKernels[columns];
+  work->columns = columns;
   work->w = w.typed_data();
   work->xr = xr.data();
   work->y = y->typed_data();
