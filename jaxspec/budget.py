@@ -292,8 +292,9 @@ FORWARD_MODULES = ("model", "cache", "verification", "tree", "gated_delta", "sha
 @functools.lru_cache(maxsize=1)
 def forward_code_digest() -> str:
     """16 hex digits naming the code a cost model times: the source of jaxspec's forward modules (FORWARD_MODULES),
-    the CPU kernel's source, and the JAX and jaxlib versions. A cost model measured before the forward changed (a
-    faster layout, a fix) would otherwise keep choosing trees from the old seconds."""
+    the CPU kernel's source and the column counts it serves here, and the JAX and jaxlib versions. A cost model
+    measured before the forward changed (a faster layout, a fix) would otherwise keep choosing trees from the old
+    seconds."""
     import hashlib
     import importlib
 
@@ -303,9 +304,11 @@ def forward_code_digest() -> str:
     for name in FORWARD_MODULES:
         with open(importlib.import_module(f"jaxspec.{name}").__file__, "rb") as f:
             digest.update(f.read())
-    from jaxspec.kernels import source_digest
+    from jaxspec.kernels import small_product_columns, source_digest
 
     digest.update(source_digest().encode())  # the C++ kernel's source (jaxspec/kernels/small_product.cc)
+    if jax.default_backend() == "cpu":  # and where the per-layer forward uses it
+        digest.update(repr(sorted(small_product_columns())).encode())
     return digest.hexdigest()[:16]
 
 
