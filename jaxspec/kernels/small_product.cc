@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include <immintrin.h>
@@ -115,7 +116,15 @@ ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buff
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->run(); });
   work->run();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  // the helpers' last chunks: spin briefly, then give the core away (with other processes on the cores, a helper
+  // may be waiting for the very core this loop would hold)
+  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
   return ffi::Error::Success();
 }
 
