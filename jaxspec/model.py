@@ -694,7 +694,7 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
     if weights.lm_head is None and isinstance(weights.layers, tuple) and weights.embed.dtype == jnp.float32:
         b, t, d = x.shape  # per-layer (CPU): the embedding [V, d] is the [out, in] matrix the few-token kernel takes
         logits = feature_major_product(weights.embed, x.reshape(b * t, d).T)  # [V, N]
-        return logits.T.reshape(b, t, -1).astype(jnp.float32)
+        return logits.T.reshape(b, t, -1)
     if weights.lm_head is None:
         return jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)

@@ -17,7 +17,7 @@ def _kernel_or_skip():
 
 
 @pytest.mark.parametrize("out,inner", [(7, 13), (64, 576), (131, 1539)])
-def test_the_kernel_computes_w_times_x_for_1_to_8_columns(out, inner):
+def test_the_kernel_computes_w_times_x_for_1_to_16_columns(out, inner):
     """Odd row counts and inner sizes that are not a multiple of 8 (the vector loop's tail) included."""
     _kernel_or_skip()
     rng = np.random.default_rng(out)

@@ -1,7 +1,7 @@
 """A CPU kernel XLA lacks: the product of a weight matrix with a few columns, reading the weight once.
 
 On CPU a decoding step multiplies every weight matrix with one column, which XLA runs as a matrix-vector loop at
-about the memory bandwidth; a verification of 2-8 tokens multiplies it with 2-8 columns, which XLA:CPU hands to a
+about the memory bandwidth; a verification of 2-16 tokens multiplies it with 2-16 columns, which XLA:CPU hands to a
 library matrix product that costs 1.6-1.9 such streams on the 2-core EPYC (docs/cpu-performance.md). The kernel in
 `small_product.cc` streams each row of the weight once and multiplies it with all the columns: on that machine
 2 / 4 columns of SmolLM2's MLPs cost 1.2 / 1.35 single-column products instead of 1.8 / 1.9.
