@@ -29,7 +29,7 @@ from jaxspec.gated_delta import (
     tree_conv,
     tree_gated_delta,
 )
-from jaxspec.kernels import feature_major_product
+from jaxspec.kernels import cache_attention, cache_attention_enabled, feature_major_product
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -158,7 +158,8 @@ def causal_mask(batch_size: int, num_tokens: int) -> jax.Array:
     return jnp.broadcast_to(mask, (batch_size, num_tokens, num_tokens))
 
 
-def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale=None, positions=None, window=None):
+def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale=None, positions=None, window=None,
+               cpu_kernel=False):
     """Attention of T new queries over the committed cache slots plus the new tokens under `mask`.
 
     q: [B, T, Hq, h]; new_k, new_v: [B, T, Hkv, h]; cache_k, cache_v: [B, Hkv, S, h] or None;
@@ -166,12 +167,19 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale=Non
     multiplied by (default h ** -0.5). window: None, or int32 scalar, this layer's sliding window (0: none, a global
     layer); a query at position p then sees only the keys at positions (p - window, p]: a cache slot's position is
     its index (slots hold a row's tokens from position 0 on), a new token's is in `positions` int32[B, T].
+    cpu_kernel: with a float32 cache and no window, run jaxspec's CPU kernel (`jaxspec.kernels.cache_attention`:
+    each row's slots up to its length only) where it is enabled; inference only (it has no gradient).
     Returns [B, T, Hq, h].
     """
     b, t, hq, h = q.shape
     hkv = new_k.shape[2]
     scale = 1.0 / math.sqrt(h) if scale is None else scale
     q = q.reshape(b, t, hkv, hq // hkv, h) * scale  # [b, t, k, g, h]
+    if (cpu_kernel and cache_k is not None and window is None and cache_attention_enabled()
+            and all(a.dtype == jnp.float32 for a in (q, new_k, new_v, cache_k, cache_v))):
+        sees = jnp.ones((b, t, t), jnp.bool_) if mask is None else mask  # [b, t, u]
+        out = cache_attention(q, cache_k, cache_v, cache_lengths, new_k, new_v, sees)  # [b, t, k, g, h]
+        return out.reshape(b, t, hq, h)
     lowest = None  # int32[B, T]: a sliding layer's query sees the keys at positions above this
     if window is not None:
         lowest = positions - jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max)  # no overflow: positions >= 0
@@ -314,9 +322,10 @@ def _layer(cfg: ModelConfig, inv_freq, x, lw: LayerWeights, cache_k, cache_v, ca
 
 
 def _attend(cfg: ModelConfig, inv_freq, q, k, v, q_norm, k_norm, cache_k, cache_v, cache_lengths, positions, mask,
-            window, in_place):
+            window, in_place, cpu_kernel=False):
     """A layer's attention from its projections: q [B, T, Hq, h], k, v [B, T, Hkv, h] (biases added), then the
-    query and key norms (or None), RoPE, and attention over the cache (see `_layer` for the other arguments).
+    query and key norms (or None), RoPE, and attention over the cache (see `_layer` for the other arguments;
+    cpu_kernel: see `_attention`).
     Returns (attn [B, T, Hq, h], new_k [B, Hkv, T, h], new_v), or with `in_place` (attn, cache_k, cache_v) with the
     new entries written."""
     if q_norm is not None:
@@ -324,7 +333,8 @@ def _attend(cfg: ModelConfig, inv_freq, q, k, v, q_norm, k_norm, cache_k, cache_
         k = rms_norm(k, k_norm, cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window)
+    attn = _attention(q, k, v, cache_k, cache_v, cache_lengths, mask, cfg.attention_scale, positions, window,
+                      cpu_kernel)
     if not in_place:
         return attn, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     # Written after the attention has read the buffers, and made to depend on that read (a zero taken from its
@@ -399,7 +409,7 @@ def _feature_major_layer(cfg: ModelConfig, inv_freq, x, lw: FeatureMajorLayer, c
     qkv = qkv.T.reshape(b, t, hq + 2 * hkv, h)  # [B, T, Hq + 2 Hkv, h]
     q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
     attn, new_k, new_v = _attend(cfg, inv_freq, q, k, v, lw.q_norm, lw.k_norm, cache_k, cache_v, cache_lengths,
-                                 positions, mask, window, in_place)  # attn [B, T, Hq, h]
+                                 positions, mask, window, in_place, cpu_kernel=True)  # attn [B, T, Hq, h]
     out = feature_major_product(lw.wo, attn.reshape(b * t, hq * h).T)  # [d, N]
     if lw.post_attn_norm is not None:
         out = _rms_norm_features(out, lw.post_attn_norm, cfg.rms_norm_eps)

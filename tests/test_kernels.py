@@ -1,5 +1,5 @@
-"""The CPU kernel for products with a few columns (jaxspec/kernels): its results against numpy in float64, where
-the per-layer forward calls it, and how the number of columns it serves is chosen."""
+"""The CPU kernels (jaxspec/kernels): the product with a few columns and the attention over the cache, their results
+against numpy in float64 and XLA, where the per-layer forward calls them, and how the columns served are chosen."""
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +84,67 @@ def test_without_a_compiler_the_products_stay_with_xla(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
     why_not = kernels.load_kernel.__wrapped__()
     assert why_not is not None and "could not be built" in why_not and "no-such-compiler" in why_not
+
+
+@pytest.mark.parametrize("b,t,k,g,h,s,lengths", [
+    (1, 1, 3, 3, 64, 256, [40]),  # SmolLM2's decoding step
+    (2, 3, 3, 3, 64, 64, [0, 64]),  # an empty row and a full one
+    (3, 5, 2, 2, 16, 32, [7, 31, 1]),
+    (2, 4, 1, 4, 12, 20, [5, 19]),  # a head size that is not a multiple of 8 (the scalar loops)
+    (16, 1, 3, 3, 64, 128, [108, 68, 81, 125, 21, 47, 89, 126, 35, 4, 67, 26, 61, 48, 89, 17]),
+])
+def test_cache_attention_computes_the_models_attention(b, t, k, g, h, s, lengths):
+    """The kernel against jaxspec.model._attention's own XLA path (computed in float64 by numpy here too), over
+    ragged rows and a tree mask among the new tokens (each sees itself and a random subset of the others)."""
+    _kernel_or_skip()
+    from jaxspec.model import _attention
+
+    rng = np.random.default_rng(b * 100 + t)
+    q = rng.standard_normal((b, t, k * g, h), np.float32)  # [B, T, Hq, h]
+    new_k, new_v = (rng.standard_normal((b, t, k, h), np.float32) for _ in range(2))  # [B, T, K, h]
+    cache_k, cache_v = (rng.standard_normal((b, k, s, h), np.float32) for _ in range(2))  # [B, K, S, h]
+    mask = (rng.random((b, t, t)) < 0.5) | np.eye(t, dtype=bool)[None]  # [B, T, T]
+    lengths = np.asarray(lengths, np.int32)  # [B]
+    got = jax.jit(kernels.cache_attention)(jnp.asarray(q.reshape(b, t, k, g, h) / np.sqrt(h)), cache_k, cache_v,
+                                           lengths, new_k, new_v, mask)  # [B, T, K, G, h]
+    xla = _attention(*map(jnp.asarray, (q, new_k, new_v, cache_k, cache_v, lengths, mask)))  # [B, T, Hq, h]
+    np.testing.assert_allclose(np.asarray(got).reshape(b, t, k * g, h), np.asarray(xla), rtol=0, atol=2e-6)
+    # float64: the scores over the visible slots and new tokens, softmax, values
+    q64 = q.reshape(b, t, k, g, h).astype(np.float64) / np.sqrt(h)
+    for bi in range(b):
+        keys = np.concatenate([cache_k[bi, :, :lengths[bi]], new_k[bi].transpose(1, 0, 2)], axis=1)  # [K, L + T, h]
+        values = np.concatenate([cache_v[bi, :, :lengths[bi]], new_v[bi].transpose(1, 0, 2)], axis=1)
+        scores = np.einsum("tkgh,ksh->tkgs", q64[bi], keys)  # [T, K, G, L + T]
+        seen = np.concatenate([np.ones((t, lengths[bi]), bool), mask[bi]], axis=1)  # [T, L + T]
+        scores = np.where(seen[:, None, None, :], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        want = np.einsum("tkgs,ksh->tkgh", probs / probs.sum(-1, keepdims=True), values)  # [T, K, G, h]
+        np.testing.assert_allclose(np.asarray(got)[bi], want, rtol=0, atol=2e-6)
+
+
+def test_the_per_layer_forward_runs_the_attention_kernel_unless_turned_off(monkeypatch, tiny_llama3):
+    _kernel_or_skip()
+    from jaxspec.cache import KVCache, init_cache
+    from jaxspec.model import causal_mask, feature_major_layers, forward
+
+    _, model, _ = tiny_llama3
+    weights, cfg = feature_major_layers(model.weights), model.config
+    cache = init_cache(cfg, 1, 16)
+    cache = KVCache(k=tuple(cache.k), v=tuple(cache.v), lengths=cache.lengths)
+    tokens, positions = jnp.ones((1, 2), jnp.int32), jnp.arange(2)[None]  # [1, 2]
+
+    def calls() -> int:
+        traced = jax.jit(lambda w, tok, pos, c: forward(w, cfg, tok, pos, c, causal_mask(1, 2)).logits)
+        return traced.lower(weights, tokens, positions, cache).as_text().count(kernels.ATTENTION_TARGET_NAME)
+
+    try:
+        for setting, expected in [("on", cfg.num_layers), ("off", 0)]:
+            monkeypatch.setenv(kernels.ATTENTION_ENV, setting)
+            kernels.cache_attention_enabled.cache_clear()
+            assert calls() == expected, setting
+        monkeypatch.setenv(kernels.ATTENTION_ENV, "fast")
+        kernels.cache_attention_enabled.cache_clear()
+        with pytest.raises(UserError, match="JAXSPEC_CACHE_ATTENTION must be 'on'"):
+            kernels.cache_attention_enabled()
+    finally:
+        kernels.cache_attention_enabled.cache_clear()

@@ -33,20 +33,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = os.path.join(os.path.dirname(__file__), "small_product.cc")
+SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("small_product.cc", "cache_attention.cc"))
 MAX_COLUMNS = 16  # kMaxColumns in small_product.cc
 ENV = "JAXSPEC_SMALL_PRODUCT"  # "off", a column count, or unset / "auto": measured once per machine
+ATTENTION_ENV = "JAXSPEC_CACHE_ATTENTION"  # "off": XLA's attention over the cache; unset / "on": the kernel
 TARGET_NAME = "jaxspec_small_product"
+ATTENTION_TARGET_NAME = "jaxspec_cache_attention"
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def source_digest() -> str:
-    """16 hex digits naming the kernel's source, its compile flags and the jaxlib whose FFI headers it uses."""
+    """16 hex digits naming the kernels' sources, their compile flags and the jaxlib whose FFI headers they use."""
     import jaxlib
 
     digest = hashlib.sha256(f"{jaxlib.__version__} {' '.join(COMPILE_FLAGS)}".encode())
-    with open(SOURCE, "rb") as f:
-        digest.update(f.read())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            digest.update(f.read())
     return digest.hexdigest()[:16]
 
 
@@ -62,7 +65,7 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _build(path: str) -> None:
-    """Compiles small_product.cc into the shared library `path` (written under another name, then renamed, so
+    """Compiles the kernels' sources into one shared library `path` (written under another name, then renamed, so
     processes building at the same time never load a half-written file)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -71,7 +74,7 @@ def _build(path: str) -> None:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        command = [compiler, *COMPILE_FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", partial]
+        command = [compiler, *COMPILE_FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", partial]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
@@ -83,19 +86,22 @@ def _build(path: str) -> None:
 
 @functools.cache
 def load_kernel() -> str | None:
-    """Builds (once per machine) and registers the kernel with XLA; returns None when it is available, else why not."""
+    """Builds (once per machine) and registers the kernels with XLA; returns None when they are available, else why
+    not."""
     from jaxspec.budget import cache_folder
 
     if not _cpu_has_avx2_fma():
         return f"this CPU ({platform.machine()}) lacks AVX2 and FMA"
-    path = os.path.join(cache_folder(), "kernels", f"small_product-{source_digest()}.so")
+    path = os.path.join(cache_folder(), "kernels", f"kernels-{source_digest()}.so")
     try:
         if not os.path.exists(path):
-            print("jaxspec: building the CPU kernel for few-token verification (once per machine, about 10 s) ...",
-                  file=sys.stderr)
+            print("jaxspec: building the CPU kernels for few-token products and cache attention (once per machine, "
+                  "about 15 s) ...", file=sys.stderr)
             _build(path)
         library = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxspecSmallProduct), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET_NAME, jax.ffi.pycapsule(library.JaxspecCacheAttention),
+                                    platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"it could not be built or loaded: {e}"
     return None
@@ -199,3 +205,33 @@ def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
             and jax.default_backend() == "cpu" and n in small_product_columns()):
         return kernel_product(w, x)
     return w @ x
+
+
+@functools.cache
+def cache_attention_enabled() -> bool:
+    """Whether `cache_attention` runs the kernel in this process: unless $JAXSPEC_CACHE_ATTENTION is "off", wherever
+    the kernels build (else XLA's attention, with the warning `small_product_columns` gives)."""
+    from jaxspec.errors import UserError
+
+    setting = os.environ.get(ATTENTION_ENV, "on").strip().lower()
+    if setting not in ("on", "off"):
+        raise UserError(f"${ATTENTION_ENV} must be 'on' (the CPU kernel for attention over the cache, the default) or "
+                        f"'off' (XLA's attention); got {setting!r}.")
+    if setting == "off" or jax.default_backend() != "cpu":
+        return False
+    why_not = load_kernel()
+    if why_not is not None:
+        warnings.warn(f"jaxspec: XLA's attention runs over the cache on this CPU: the kernels are off because "
+                      f"{why_not}", stacklevel=2)
+        return False
+    return True
+
+
+def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, lengths: jax.Array, new_k: jax.Array,
+                    new_v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Attention over each row's first `lengths` cache slots plus the new tokens, by the kernel (which must be
+    loaded). q: f32[B, T, K, G, h], already scaled; cache_k, cache_v: f32[B, K, S, h]; lengths: int32[B];
+    new_k, new_v: f32[B, T, K, h]; mask: bool[B, T, T] (query t sees new token u). Returns f32[B, T, K, G, h]."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_TARGET_NAME, out, vmap_method="sequential")(
+        q, cache_k, cache_v, lengths.astype(jnp.int32), new_k, new_v, mask)
