@@ -17,7 +17,8 @@ cache size, sampling settings) is an untimed warm-up run; its seconds are report
 Outputs (in --out, default `bench_out/`): `results.json`, `accepted_length.png` (distribution of drafted tokens
 accepted per round, per method) and, when --num-draft-tokens sweeps K, `speedup_vs_k.png`. With torch and
 transformers importable (and no --no-peers), transformers' `generate` and its prompt lookup run on the same prompts
-at batch 1, T=0, as the peers "hf-generate" and "hf-prompt-lookup".
+at batch 1, T=0, as the peers "hf-generate" and "hf-prompt-lookup"; with `llama_cpp` importable (pip install
+llama-cpp-python) and a GGUF target, llama.cpp decodes the same weights in float32 as the peer "llama-cpp".
 
 The core, `run_bench`, takes token ids, so it runs on any target (the tests use tiny random models).
 """
@@ -133,7 +134,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "batch size from the device's cost model), dflash chain length (<= block size), eagle2/eagle3 "
                         "tree nodes N")
     p.add_argument("--out", default="bench_out", help="folder for results.json and the plots (default bench_out/)")
-    p.add_argument("--no-peers", action="store_true", help="skip transformers' generate and prompt lookup")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip the peers: transformers' generate and prompt lookup, llama.cpp")
     p.add_argument("--phases", action="store_true",
                    help="also time each speculative round's phases (draft, verify, accept, commit) in ms, from one "
                         "profiled run of each row's first batch (jaxspec.profiling; one more compilation per row)")
@@ -374,7 +376,8 @@ def run_bench(
         max_new_tokens: New tokens per prompt at most.
         seed: Seed of the first batch; batch i uses seed + i (the same for every method).
         eos_ids: Stop tokens (None: the target's EOS).
-        peers: Also time transformers' generate and prompt lookup (batch 1, T=0) when torch imports.
+        peers: Also time transformers' generate and prompt lookup (batch 1, T=0) when torch imports, and
+            llama.cpp's greedy decoding of the same weights in float32 when `llama_cpp` imports (a GGUF target).
         peer_prompt_lookup_ks: `prompt_lookup_num_tokens` values for the "hf-prompt-lookup" peer.
         ngram: `max_matching_ngram_size` of the transformers prompt lookup (jaxspec's --ngram).
         progress: Show a tqdm progress bar over the runs.
@@ -384,8 +387,8 @@ def run_bench(
     Returns:
         A dict with "results" (one row per method, prompt set, temperature and batch size, then the peers' rows),
         "greedy_identical" (every T=0 jaxspec row equals autoregressive), "greedy_mismatches" (warnings),
-        "peers" (what ran or why not), and "note" (compilation is excluded). Rows hold "token_ids" in memory;
-        `write_outputs` leaves them out of results.json.
+        "peers" and "llama_cpp" (what ran or why not), and "note" (compilation is excluded). Rows hold "token_ids" in
+        memory; `write_outputs` leaves them out of results.json.
     """
     methods = list(methods)
     baselines = [m for m in methods if m.drafter is None]
@@ -444,8 +447,11 @@ def run_bench(
         "greedy_mismatches": warnings,
     }
     if not peers:
-        out["peers"] = {"skipped": "not requested (--no-peers)"}
+        out["peers"] = out["llama_cpp"] = {"skipped": "not requested (--no-peers)"}
         return out
+    llama_rows, out["llama_cpp"] = _run_llama_cpp_peer(target, prompt_sets, max_new_tokens, out["eos_ids"], progress)
+    _attach_peer_speedups(llama_rows, results)
+    results.extend(llama_rows)
     try:
         peers_script = _load_peers_script()
     except ImportError as e:
@@ -466,6 +472,7 @@ def run_bench(
 # ---------------------------------------------------------------------------------------------- peers
 
 PEERS_SCRIPT = "benchmarks/peers.py"  # transformers' generate timed beside jaxspec (torch is imported there only)
+LLAMA_CPP_SCRIPT = "benchmarks/peer_llama_cpp.py"  # llama.cpp's float32 decoding of the same GGUF
 
 
 def _load_peers_script():
@@ -479,6 +486,24 @@ def _load_peers_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _run_llama_cpp_peer(target, prompt_sets, max_new_tokens: int, eos_ids, progress: bool) -> tuple[list[dict], dict]:
+    """llama.cpp's rows (benchmarks/peer_llama_cpp.py) and what ran, or no rows and why not."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return [], {"skipped": "llama_cpp not importable (pip install llama-cpp-python: it builds llama.cpp)"}
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LLAMA_CPP_SCRIPT)
+    if not os.path.isfile(path):
+        return [], {"skipped": f"{LLAMA_CPP_SCRIPT} not found (it comes with a source checkout)"}
+    if not str(target.source).endswith(".gguf"):
+        return [], {"skipped": f"the target {target.source} is not a GGUF file"}
+    spec = importlib.util.spec_from_file_location("jaxspec_bench_llama_cpp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run_llama_cpp(target, prompt_sets, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                progress=progress)
 
 
 def _attach_peer_speedups(peer_rows: list[dict], results: list[dict]) -> None:
@@ -843,6 +868,8 @@ def _bench(args, target, texts: dict[str, list[str]], layout: str) -> None:
              "shares; loop = the loop's own bookkeeping)." if args.phases else ""))
     if "skipped" in bench["peers"]:
         print(f"Peers skipped: {bench['peers']['skipped']}.")
+    if "skipped" in bench.get("llama_cpp", {}):
+        print(f"llama.cpp skipped: {bench['llama_cpp']['skipped']}.")
     print(f"Wrote {', '.join(written.values())}")
     if not bench["greedy_identical"]:
         print("\n" + "\n".join(bench["greedy_mismatches"]), file=sys.stderr)

@@ -266,3 +266,25 @@ def test_device_check_script_runs_on_cpu_with_tiny_settings(cli_smollm2, tmp_pat
     assert [(r.split("|")[1].strip().split()[0], r.split("|")[2].strip()) for r in rows] == [
         ("autoregressive", "1"), ("prompt-lookup", "1"), ("autoregressive", "2"), ("prompt-lookup", "2")]
     assert all(r.rstrip(" |").endswith("yes") for r in rows)
+
+
+def test_the_llama_cpp_peer_writes_a_float32_gguf_jaxspec_loads_the_same(tmp_path):
+    """benchmarks/peer_llama_cpp.py's float32 copy of a GGUF file (what llama.cpp decodes beside jaxspec): the same
+    config and weights when jaxspec loads it, its tensors all F32. (llama.cpp itself is optional and not run here.)"""
+    import jax
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from jaxspec.bench import LLAMA_CPP_SCRIPT
+    from jaxspec.loading import load_model
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("peer_llama_cpp", os.path.join(root, LLAMA_CPP_SCRIPT))
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    source = os.path.join(root, "tests", "fixtures", "tiny-qwen3moe.gguf")
+    out = peer.float32_gguf(source, str(tmp_path / "f32" / "tiny.F32.gguf"))
+    assert {t.tensor_type for t in GGUFReader(out).tensors} == {GGMLQuantizationType.F32}
+    a, b = load_model(source, with_tokenizer=False), load_model(out, with_tokenizer=False)
+    assert a.config == b.config
+    for x, y in zip(jax.tree.leaves(a.weights), jax.tree.leaves(b.weights), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
