@@ -177,7 +177,7 @@ def _attention(q, new_k, new_v, cache_k, cache_v, cache_lengths, mask, scale=Non
     q = q.reshape(b, t, hkv, hq // hkv, h) * scale  # [b, t, k, g, h]
     if (cpu_kernel and cache_k is not None and window is None and cache_attention_enabled()
             and all(a.dtype == jnp.float32 for a in (q, new_k, new_v, cache_k, cache_v))):
-        sees = jnp.ones((b, t, t), jnp.bool_) if mask is None else mask  # [b, t, u]
+        sees = jnp.ones((b, t, t), jnp.bool_) if mask is None else jnp.broadcast_to(mask, (b, t, t))  # [b, t, u]
         out = cache_attention(q, cache_k, cache_v, cache_lengths, new_k, new_v, sees)  # [b, t, k, g, h]
         return out.reshape(b, t, hq, h)
     lowest = None  # int32[B, T]: a sliding layer's query sees the keys at positions above this

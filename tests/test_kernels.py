@@ -148,3 +148,18 @@ def test_the_per_layer_forward_runs_the_attention_kernel_unless_turned_off(monke
             kernels.cache_attention_enabled()
     finally:
         kernels.cache_attention_enabled.cache_clear()
+
+
+def test_cache_attention_broadcasts_a_shared_mask_and_refuses_shapes_that_do_not_fit():
+    _kernel_or_skip()
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 3, 3, 2, 16), np.float32))  # [B, T, K, G, h]
+    cache = jnp.asarray(rng.standard_normal((2, 3, 8, 16), np.float32))  # [B, K, S, h]
+    new = jnp.asarray(rng.standard_normal((2, 3, 3, 16), np.float32))  # [B, T, K, h]
+    lengths = jnp.asarray([2, 8], jnp.int32)
+    tree = jnp.asarray([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # [T, T]: the third node's parent is the first
+    shared = kernels.cache_attention(q, cache, cache, lengths, new, new, tree[None])
+    each = kernels.cache_attention(q, cache, cache, lengths, new, new, jnp.broadcast_to(tree, (2, 3, 3)))
+    np.testing.assert_array_equal(np.asarray(shared), np.asarray(each))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.cache_attention(q, cache, cache, lengths[:1], new, new, tree[None])

@@ -232,6 +232,13 @@ def cache_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, length
     """Attention over each row's first `lengths` cache slots plus the new tokens, by the kernel (which must be
     loaded). q: f32[B, T, K, G, h], already scaled; cache_k, cache_v: f32[B, K, S, h]; lengths: int32[B];
     new_k, new_v: f32[B, T, K, h]; mask: bool[B, T, T] (query t sees new token u). Returns f32[B, T, K, G, h]."""
+    b, t, k, _, h = q.shape
+    if (cache_k.shape != cache_v.shape or cache_k.shape[:2] != (b, k) or cache_k.shape[3] != h
+            or new_k.shape != (b, t, k, h) or new_v.shape != (b, t, k, h) or lengths.shape != (b,)):
+        raise ValueError(f"cache_attention: q {q.shape}, cache {cache_k.shape} / {cache_v.shape}, new {new_k.shape} / "
+                         f"{new_v.shape}, lengths {lengths.shape} do not fit [B, T, K, G, h] / [B, K, S, h] / "
+                         "[B, T, K, h] / [B]")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(ATTENTION_TARGET_NAME, out, vmap_method="sequential")(
-        q, cache_k, cache_v, lengths.astype(jnp.int32), new_k, new_v, mask)
+        q, cache_k, cache_v, lengths.astype(jnp.int32), new_k, new_v,
+        jnp.broadcast_to(mask.astype(jnp.bool_), (b, t, t)))

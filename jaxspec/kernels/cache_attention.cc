@@ -159,10 +159,17 @@ struct Work {
 ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
                           ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> new_k,
                           ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), cd = cache_k.dimensions();
-  if (qd.size() != 5 || cd.size() != 4 || cd[0] != qd[0] || cd[1] != qd[2] || cd[3] != qd[4]) {
+  const auto qd = q.dimensions(), cd = cache_k.dimensions(), vd = cache_v.dimensions(), nd = new_k.dimensions(),
+             nvd = new_v.dimensions(), ld = lengths.dimensions(), md = mask.dimensions();
+  const bool fits = qd.size() == 5 && cd.size() == 4 && cd[0] == qd[0] && cd[1] == qd[2] && cd[3] == qd[4] &&
+                    vd.size() == 4 && std::equal(vd.begin(), vd.end(), cd.begin()) && nd.size() == 4 &&
+                    nd[0] == qd[0] && nd[1] == qd[1] && nd[2] == qd[2] && nd[3] == qd[4] && nvd.size() == 4 &&
+                    std::equal(nvd.begin(), nvd.end(), nd.begin()) && ld.size() == 1 && ld[0] == qd[0] &&
+                    md.size() == 3 && md[0] == qd[0] && md[1] == qd[1] && md[2] == qd[1];
+  if (!fits) {
     return ffi::Error::InvalidArgument(
-        "jaxspec_cache_attention: expects q [B, T, K, G, h] and the cache [B, K, S, h]");
+        "jaxspec_cache_attention: expects q [B, T, K, G, h], the cache [B, K, S, h] twice, the new keys and values "
+        "[B, T, K, h], lengths [B] and the mask [B, T, T]");
   }
   auto work = std::make_shared<Work>();
   work->d = Shapes{qd[0], qd[1], qd[2], qd[3], qd[4], cd[2]};
