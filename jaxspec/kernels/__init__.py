@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("small_product.cc", "cache_attention.cc"))
+HEADERS = (os.path.join(os.path.dirname(__file__), "cpu_common.h"),)  # included by the sources, part of the digest
 MAX_COLUMNS = 16  # kMaxColumns in small_product.cc
 ENV = "JAXSPEC_SMALL_PRODUCT"  # "off", a column count, or unset / "auto": measured once per machine
 ATTENTION_ENV = "JAXSPEC_CACHE_ATTENTION"  # "off": XLA's attention over the cache; unset / "on": the kernel
@@ -47,7 +48,7 @@ def source_digest() -> str:
     import jaxlib
 
     digest = hashlib.sha256(f"{jaxlib.__version__} {' '.join(COMPILE_FLAGS)}".encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         with open(source, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]

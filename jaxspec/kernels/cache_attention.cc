@@ -20,17 +20,13 @@
 #include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float horizontal_sum(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_hadd_ps(a, a);
-  a = _mm_hadd_ps(a, a);
-  return _mm_cvtss_f32(a);
-}
+using jaxspec::horizontal_sum;
 
 // exp(x) for 8 lanes, x <= 0 (scores minus their maximum): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a
 // degree-6 polynomial (relative error about 2e-7); lanes below -87 give 0.
@@ -186,15 +182,7 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t per_task = work->d.t * work->d.g * work->d.h * (work->d.s + work->d.t);
   const int64_t helpers = per_task * work->tasks < (1 << 16) ? 0
                               : std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->tasks; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  jaxspec::run_on_pool(pool, work, helpers, work->tasks);
   return ffi::Error::Success();
 }
 

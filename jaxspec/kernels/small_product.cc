@@ -16,20 +16,16 @@
 #include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxspec::horizontal_sum;
+
 constexpr int kMaxColumns = 16;
 constexpr int64_t kChunkRows = 64;  // rows of w a task takes at a time
-
-inline float horizontal_sum(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_hadd_ps(a, a);
-  a = _mm_hadd_ps(a, a);
-  return _mm_cvtss_f32(a);
-}
 
 // One row of w times G columns of x: yo[n] = w_row . xr[n] for n < G (xr is x transposed, [N, in], each column
 // contiguous and kept in L1). The row is prefetched 4 KB ahead: on the 2-core EPYC that streams the weights at about
@@ -114,17 +110,7 @@ ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buff
   work->out = out;
   work->chunks = (out + kChunkRows - 1) / kChunkRows;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->run(); });
-  work->run();
-  // the helpers' last chunks: spin briefly, then give the core away (with other processes on the cores, a helper
-  // may be waiting for the very core this loop would hold)
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->chunks; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  jaxspec::run_on_pool(pool, work, helpers, work->chunks);
   return ffi::Error::Success();
 }
 
