@@ -28,7 +28,7 @@ import numpy as np
 from jaxspec.arguments import parse_budget
 from jaxspec.generate import generate_tokens
 from jaxspec.loading import DEFAULT_MODEL, load_model
-from jaxspec.model import feature_major_layers
+from jaxspec.model import feature_major_layers, layers_layout
 from jaxspec.profiling import op_scopes, traced_op_times
 from jaxspec.speculative import ROUND_PHASES
 
@@ -65,7 +65,12 @@ def profile_loop(args) -> None:
                                                                   num_draft_tokens=args.num_draft_tokens))
         drafter = method.drafter_for_batch(b)
         fn = speculative_generate_tokens
-        call_args = (weights, cfg, drafter, method.params, tokens, lengths, jax.random.key(0))
+        if args.unstacked:  # the drafter's parameters as the loop runs them beside per-layer weights
+            with layers_layout("unstacked"):
+                params = drafter.execution_params(method.params)
+        else:
+            params = method.params
+        call_args = (weights, cfg, drafter, params, tokens, lengths, jax.random.key(0))
         kwargs = dict(max_new_tokens=args.steps, cache_size=args.cache)
     run = lambda: jax.block_until_ready(fn(*call_args, **kwargs))  # noqa: E731
     run()

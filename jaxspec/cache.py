@@ -136,7 +136,8 @@ def write_new_entries(cache: KVCache, new_k: jax.Array, new_v: jax.Array, layer_
     return dataclasses.replace(cache, k=write(cache.k, new_k), v=write(cache.v, new_v))
 
 
-def commit_positions(cache: KVCache, source_offsets: jax.Array, num_accepted: jax.Array) -> KVCache:
+def commit_positions(cache: KVCache, source_offsets: jax.Array, num_accepted: jax.Array,
+                     chain: bool = False) -> KVCache:
     """Moves accepted entries into place and advances each row's length.
 
     After a verification forward wrote T entries at [len, len + T), entry `source_offsets[b, i]` (an index
@@ -146,7 +147,11 @@ def commit_positions(cache: KVCache, source_offsets: jax.Array, num_accepted: ja
     Args:
         source_offsets: int32[B, A], the accepted path's node indices in order (A <= T; padded arbitrarily).
         num_accepted: int32[B], how many of them to keep.
+        chain: the offsets are 0, 1, 2, ... (a chain drafter, `Drafter.chain`): the entries are in place already and
+            only the lengths advance (no gather or scatter: in the per-layer layout they were 2 x L small ops a round).
     """
+    if chain:
+        return dataclasses.replace(cache, lengths=cache.lengths + num_accepted.astype(jnp.int32))
     a = source_offsets.shape[1]
     rows, sources = _row_slots(cache.lengths, source_offsets.astype(jnp.int32))
     _, targets = _row_slots(cache.lengths, jnp.arange(a, dtype=jnp.int32)[None, :])

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -624,7 +625,7 @@ def select_layers(layers: LayerWeights | tuple[LayerWeights, ...], start: int, e
     return jax.tree.map(lambda w: w[start:end], layers)
 
 
-_EXECUTION_WEIGHTS: dict[int, tuple[Weights, Weights]] = {}
+_EXECUTION_WEIGHTS: dict[int, tuple[Any, Any]] = {}  # `converted_once`
 
 
 LAYERS_ENV = "JAXSPEC_LAYERS"  # "unstacked": run the layers as per-layer buffers on CPU (see `execution_weights`)
@@ -647,6 +648,27 @@ def layers_layout(layout: str):
             os.environ[LAYERS_ENV] = before
 
 
+def runs_per_layer(mesh=None) -> bool:
+    """Whether the generation functions run per-layer, feature-major weights: on CPU, without a mesh, when the
+    environment says JAXSPEC_LAYERS=unstacked (`execution_weights`)."""
+    return (os.environ.get(LAYERS_ENV, "stacked") == "unstacked" and mesh is None
+            and jax.default_backend() == "cpu")
+
+
+def converted_once(source, convert):
+    """convert(source), kept for the last three sources converted (by identity): repeated calls with the same weights
+    convert once, and at most three converted copies (a target, a draft model, a head) stay alive, each doubling
+    that model's memory."""
+    cached = _EXECUTION_WEIGHTS.get(id(source))
+    if cached is not None and cached[0] is source:
+        return cached[1]
+    converted = jax.block_until_ready(convert(source))
+    if len(_EXECUTION_WEIGHTS) >= 3:
+        _EXECUTION_WEIGHTS.pop(next(iter(_EXECUTION_WEIGHTS)))
+    _EXECUTION_WEIGHTS[id(source)] = (source, converted)
+    return converted
+
+
 def execution_weights(weights: Weights, mesh=None) -> Weights:
     """The weights as the generation functions run them: on CPU without a mesh, per-layer and feature-major when
     the environment says JAXSPEC_LAYERS=unstacked (`feature_major_layers`; the generation loops then make a per-layer
@@ -658,17 +680,9 @@ def execution_weights(weights: Weights, mesh=None) -> Weights:
     instead of 5 s for the autoregressive loop), so it pays on long jobs (`jaxspec regenerate` sets it unless told
     otherwise, `jaxspec bench` runs) and not on one short generation or the test suite.
     """
-    unstack = os.environ.get(LAYERS_ENV, "stacked") == "unstacked"
-    if not unstack or mesh is not None or jax.default_backend() != "cpu" or isinstance(weights.layers, tuple):
+    if not runs_per_layer(mesh) or isinstance(weights.layers, tuple):
         return weights
-    cached = _EXECUTION_WEIGHTS.get(id(weights))
-    if cached is not None and cached[0] is weights:
-        return cached[1]
-    unstacked = jax.block_until_ready(feature_major_layers(weights))
-    if len(_EXECUTION_WEIGHTS) >= 2:  # a target and a draft model at most: each copy doubles that model's memory
-        _EXECUTION_WEIGHTS.pop(next(iter(_EXECUTION_WEIGHTS)))
-    _EXECUTION_WEIGHTS[id(weights)] = (weights, unstacked)
-    return unstacked
+    return converted_once(weights, feature_major_layers)
 
 
 def embed_tokens(weights: Weights, cfg: ModelConfig, tokens: jax.Array, model_axis: str | None = None) -> jax.Array:

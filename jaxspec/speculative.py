@@ -24,7 +24,7 @@ from jaxspec.cache import commit_positions, commit_recurrent, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
-from jaxspec.model import Weights, execution_weights
+from jaxspec.model import Weights
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 from jaxspec.sharding import place_inputs, replicate_on_mesh, to_host
 from jaxspec.verification import verify_and_accept, verify_forward
@@ -113,7 +113,7 @@ def speculative_generate_tokens(
             out = _write_rows(carry["out"], block, carry["count"])
             history = _write_rows(history, acc.tokens, cache.lengths + 1)
             committed = jnp.where(active, acc.num_accepted + 1, 0)
-            cache = commit_positions(verification.cache, acc.path, committed)
+            cache = commit_positions(verification.cache, acc.path, committed, chain=drafter.chain)
             cache = commit_recurrent(cache, verification.pending, acc.path, committed)  # hybrid models only
             verification = dataclasses.replace(verification, cache=None, pending=None)
             state = drafter.update(drafter_params, state, inputs, verification, acc)
@@ -190,9 +190,7 @@ def loop_arguments(weights: Weights, cfg: ModelConfig, drafter: Drafter, drafter
     batch = pad_prompts(prompt_ids, max_new_tokens, cfg, max_cache_length, draft_slots=drafter.num_nodes + 1)
     eos = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
     weights, tokens, lengths, rng = place_inputs(mesh, cfg, weights, batch.tokens, batch.lengths, seed)
-    drafter_params = replicate_on_mesh(mesh, drafter_params)
-    if isinstance(drafter_params, Weights):  # a draft model: run on this backend's layout, like the target
-        drafter_params = execution_weights(drafter_params, mesh)
+    drafter_params = drafter.execution_params(replicate_on_mesh(mesh, drafter_params), mesh)
     return ((weights, cfg, drafter, drafter_params, tokens, lengths, rng),
             dict(max_new_tokens=max_new_tokens, cache_size=batch.cache_size, sampling=sampling, eos_ids=eos,
                  mesh=mesh))

@@ -15,11 +15,13 @@ from jaxspec.cache import KVCache, commit_positions, init_cache
 from jaxspec.drafters import RoundInputs
 from jaxspec.drafters.eagle import (
     Eagle3Config,
+    FeatureMajorHead,
     absorb_pairs,
     build_vocab_map,
     draft_to_target,
     draft_tree,
     expand_pool,
+    feature_major_head,
     fuse_features,
     head_forward,
     head_logits,
@@ -332,6 +334,69 @@ def test_dynamic_tree_matches_an_independent_path_recomputation(tiny_llama3):
     for j in range(12):  # siblings are distinct tokens
         siblings = [tokens[i] for i in range(12) if parents[i] == parents[j]]
         assert len(set(siblings)) == len(siblings)
+
+
+def test_the_feature_major_head_computes_the_trained_layout(tiny_llama3):
+    """`feature_major_head` (the per-layer CPU layout: transposed, fused matrices through `feature_major_product`,
+    the few-column kernel at 2-16 rows) against the head as trained: fused features, the head's layer over 1, 2 and
+    20 pairs (kernel and XLA products), its logits, and the tree it drafts from a committed cache."""
+    _, model, ref = tiny_llama3
+    cfg, params = _head(model, scale=0.5, depth=3, top_k=2, num_nodes=5)
+    fm = feature_major_head(params)
+    assert isinstance(fm, FeatureMajorHead) and fm.wqkv.shape[1] == params.wq.shape[0]
+    rows, rng = 2, np.random.default_rng(0)
+    d, n = model.config.hidden_size, len(cfg.feature_layers)
+    hidden = jnp.asarray(rng.standard_normal((n, rows, 4, d)), jnp.float32)  # [n, B, 4, d]
+
+    def close(got, want):  # float32 sums in another order: errors scale with the array's largest entries
+        want = np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=4e-6 * float(np.max(np.abs(want))))
+
+    close(fuse_features(fm, hidden), fuse_features(params, hidden))
+    embed = model.weights.embed
+    forward_jit = jax.jit(head_forward, static_argnums=1)
+    for t in (1, 2, 20):
+        tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (rows, t)), jnp.int32)  # [B, T]
+        feats = jnp.asarray(rng.standard_normal((rows, t, d)), jnp.float32)  # [B, T, d]
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (rows, t))  # [B, T]
+        for got, want in zip(forward_jit(fm, model.config, embed, tokens, feats, positions),
+                             forward_jit(params, model.config, embed, tokens, feats, positions)):
+            close(got, want)
+        close(head_logits(fm, model.config, feats), head_logits(params, model.config, feats))
+    ids = ref["input_ids"][0].tolist()
+    cache, h_root = _committed(params, model, cfg.make_drafter(), ids[:9], ids[9])
+    h_root = jnp.broadcast_to(h_root, (rows, d))  # [B, d]
+    cache = dataclasses.replace(cache, k=jnp.broadcast_to(cache.k, (1, rows, *cache.k.shape[2:])),
+                                v=jnp.broadcast_to(cache.v, (1, rows, *cache.v.shape[2:])),
+                                lengths=jnp.broadcast_to(cache.lengths, (rows,)))
+    tree_jit = jax.jit(lambda p: draft_tree(p, model.config, embed, cache, h_root, depth=3, top_k=2, num_nodes=5))
+    (want, want_scores), (got, got_scores) = tree_jit(params), tree_jit(fm)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.parents, want.parents)
+    np.testing.assert_allclose(got_scores, want_scores, rtol=1e-4, atol=1e-5)
+    # the generation loop runs it where the target runs per layer, and only there
+    from jaxspec.model import layers_layout
+
+    drafter = cfg.make_drafter()
+    assert drafter.execution_params(params) is params
+    with layers_layout("unstacked"):
+        assert isinstance(drafter.execution_params(params), FeatureMajorHead)
+        assert drafter.execution_params(params) is drafter.execution_params(params)  # converted once
+
+
+def test_a_head_with_one_child_per_node_drafts_chains(tiny_llama3):
+    """`Eagle3Drafter.chain` (the commit then skips moving cache entries) holds for the trees the head drafts with
+    top_k 1: node j's parent is j - 1, whatever the head's scores; with top_k 2 it is not claimed."""
+    _, model, ref = tiny_llama3
+    cfg, params = _head(model, scale=0.5, depth=4, top_k=1, num_nodes=4)
+    assert cfg.make_drafter().chain
+    assert not dataclasses.replace(cfg.make_drafter(), top_k=2).chain
+    assert dataclasses.replace(cfg.make_drafter(), num_nodes=1, top_k=3).chain
+    for length in (5, 9, 14):
+        ids = ref["input_ids"][0].tolist()
+        cache, h_root = _committed(params, model, cfg.make_drafter(), ids[:length], ids[length])
+        tree, _ = draft_tree(params, model.config, model.weights.embed, cache, h_root, depth=4, top_k=1, num_nodes=4)
+        np.testing.assert_array_equal(np.asarray(tree.parents[0]), chain_parents(4))
 
 
 def test_static_tree_eagle1_variant(tiny_llama3):

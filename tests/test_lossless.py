@@ -348,3 +348,32 @@ def test_chain_and_choices_topologies():
     parents, ranks = choices_parents([(0,), (1,), (0, 0), (0, 1), (1, 0)])
     np.testing.assert_array_equal(parents, [-1, -1, 0, 0, 1])
     np.testing.assert_array_equal(ranks, [0, 1, 0, 1, 0])
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_acceptance_equals_the_rule_on_point_masses(with_q):
+    """`accept_greedy` (argmaxes only) against the general rule run on the greedy point masses, over random trees
+    with siblings, invalid nodes and tokens from a vocabulary of 4 (so that many nodes match), with and without
+    a draft distribution q, under random uniforms: path, count, tokens and bonus all equal."""
+    rng = np.random.default_rng(0)
+    b, t, v = 64, 7, 4
+    parents = np.stack([[rng.integers(-1, j) for j in range(t)] for _ in range(b)]).astype(np.int32)  # [B, T]
+    tokens = rng.integers(0, v, (b, t)).astype(np.int32)  # [B, T]
+    valid = rng.random((b, t)) < 0.85  # [B, T]
+    logits = jnp.asarray(rng.standard_normal((b, t + 1, v)), jnp.float32)  # [B, T+1, V]
+    q = None
+    if with_q:
+        q = rng.random((b, t, v)).astype(np.float32)
+        q = jnp.asarray(q / q.sum(-1, keepdims=True))  # [B, T, V]
+    tree = DraftTree(tokens=jnp.asarray(tokens), parents=jnp.asarray(parents), valid=jnp.asarray(valid),
+                     draft_probs=q)
+    greedy = SamplingConfig(temperature=0.0)
+    rule = verification.accept(tree, target_probs(logits, greedy), jnp.asarray(rng.random((b, t)), jnp.float32),
+                               jnp.asarray(rng.random(b), jnp.float32))
+    fast = verification.accept_greedy(tree, jnp.argmax(logits, axis=-1))
+    assert int(jnp.sum(rule.num_accepted)) > b // 2  # the trees accept something: the comparison has content
+    for name in ("path", "num_accepted", "tokens", "bonus"):
+        np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(rule, name)), err_msg=name)
+    # and verify_and_accept takes the greedy path at temperature 0 with the same outcome
+    both = verification.verify_and_accept(tree, logits, greedy, jnp.zeros((b, t)), jnp.zeros((b,)))
+    np.testing.assert_array_equal(np.asarray(both.tokens), np.asarray(rule.tokens))

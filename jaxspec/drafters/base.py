@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.model import ForwardOutput, Weights
+from jaxspec.model import ForwardOutput, Weights, execution_weights
 from jaxspec.sampling import SamplingConfig, process_logits
 from jaxspec.tree import DraftTree
 from jaxspec.verification import Acceptance
@@ -54,6 +54,18 @@ class Drafter:
     def num_nodes(self) -> int:
         """T, the drafted nodes per round (static)."""
         raise NotImplementedError
+
+    @property
+    def chain(self) -> bool:
+        """True when every round's tree is a chain (node j's parent is node j - 1, static): the accepted path is then
+        the root and nodes 0, 1, ... in order, which the verification forward already wrote where they are
+        committed, so the commit only advances the lengths. A single node is always a chain."""
+        return self.num_nodes == 1
+
+    def execution_params(self, params: Any, mesh=None) -> Any:
+        """The drafter's parameters as the generation loop runs them on this backend (`jaxspec.model.runs_per_layer`:
+        a draft model's layers per layer, as the target's (`execution_weights`); an EAGLE head feature-major)."""
+        return execution_weights(params, mesh) if isinstance(params, Weights) else params
 
     def init(self, params: Any, target_cfg: ModelConfig, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
              prefill_out: ForwardOutput, cache_size: int, sampling: SamplingConfig) -> Any:
@@ -89,6 +101,10 @@ class ChainDrafter(Drafter):
     @property
     def num_nodes(self) -> int:
         return self.depth * self.tree_width
+
+    @property
+    def chain(self) -> bool:
+        return self.tree_width == 1
 
 
 def choose_draft(logits: jax.Array, sampling: SamplingConfig, rng, width: int = 1

@@ -92,6 +92,7 @@ from jaxspec.config import ModelConfig, RopeScaling
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.drafters.prompt_lookup import lookup_chain
 from jaxspec.errors import UserError
+from jaxspec.kernels import feature_major_product
 from jaxspec.losses import decay_weights, gamma_weights, masked_mean, per_position_loss
 from jaxspec.model import (
     NEG_INF,
@@ -99,10 +100,12 @@ from jaxspec.model import (
     _attention,
     apply_rope,
     causal_mask,
+    converted_once,
     forward,
     lm_head,
     rms_norm,
     rope_inverse_frequencies,
+    runs_per_layer,
 )
 from jaxspec.tree import DraftTree, choices_parents, merge_chain, select_nodes
 
@@ -287,6 +290,53 @@ class Eagle3Params:
     fc_norm: jax.Array | None = None  # [n, d]: an RMSNorm weight per fused layer before fc (feature_norm), or None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FeatureMajorHead:
+    """An EAGLE head's weights as the per-layer CPU forward runs them (`feature_major_head`; inference only, no
+    training step sees it): every matrix [out, in], q, k, v fused and gate and up fused, multiplying feature-major
+    activations [in, N] through `jaxspec.kernels.feature_major_product` (jaxspec's kernel at 2-16 columns), as the
+    target's `FeatureMajorLayer` does. `_project`, `_finish`, `head_logits` and `fuse_features` take either layout."""
+
+    fc: jax.Array  # [d, n d]
+    input_norm: jax.Array  # [d]
+    hidden_norm: jax.Array  # [d]
+    wqkv: jax.Array  # [(Hq + 2 Hkv) h, 2d]
+    wo: jax.Array  # [d, Hq h]
+    mlp_norm: jax.Array  # [d]
+    w_gate_up: jax.Array  # [2f, d]: the gate's rows, then the up projection's
+    w_down: jax.Array  # [d, f]
+    final_norm: jax.Array  # [d]
+    lm_head: jax.Array  # [Vd, d]
+    d2t: jax.Array  # float32[Vd]
+    fc_norm: jax.Array | None = None  # [n, d]
+
+
+def feature_major_head(params: Eagle3Params) -> FeatureMajorHead:
+    """The head in the per-layer CPU layout (`FeatureMajorHead`): the same weights, transposed and fused."""
+    two_d = params.wq.shape[0]
+    d = params.fc.shape[1]
+    qkv = jnp.concatenate([params.wq.reshape(two_d, -1), params.wk.reshape(two_d, -1), params.wv.reshape(two_d, -1)],
+                          axis=1)  # [2d, (Hq + 2 Hkv) h]
+    return FeatureMajorHead(fc=params.fc.T, input_norm=params.input_norm, hidden_norm=params.hidden_norm, wqkv=qkv.T,
+                            wo=params.wo.reshape(-1, d).T, mlp_norm=params.mlp_norm,
+                            w_gate_up=jnp.concatenate([params.w_gate, params.w_up], axis=1).T, w_down=params.w_down.T,
+                            final_norm=params.final_norm, lm_head=params.lm_head.T, d2t=params.d2t,
+                            fc_norm=params.fc_norm)
+
+
+def _times(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] times a feature-major matrix w [out, in] -> [..., out] (`feature_major_product` on x's rows)."""
+    lead = x.shape[:-1]
+    out = feature_major_product(w, x.reshape(-1, x.shape[-1]).astype(w.dtype).T)  # [out, N]
+    return out.T.reshape(*lead, w.shape[0])
+
+
+def head_dtype(params: Eagle3Params | FeatureMajorHead):
+    """The dtype of the head's matrices (and of the keys and values it caches)."""
+    return params.fc.dtype
+
+
 def build_vocab_map(token_counts, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The draft vocabulary: the `draft_vocab_size` most frequent tokens, most frequent first, ties by lower id.
 
@@ -394,6 +444,8 @@ def fuse_features(params: Eagle3Params, hidden: jax.Array, eps: float | None = N
             raise ValueError("This head normalises each fused layer (fc_norm): pass the head's rms_norm_eps.")
         x = rms_norm(x.astype(params.fc_norm.dtype), params.fc_norm, eps)  # [..., n, d]
     x = x.reshape(*x.shape[:-2], -1).astype(params.fc.dtype)  # [..., n d]
+    if isinstance(params, FeatureMajorHead):
+        return _times(x, params.fc)  # [..., d]
     return jnp.einsum("...e,ed->...d", x, params.fc)
 
 
@@ -402,15 +454,27 @@ def _project(params: Eagle3Params, cfg: ModelConfig, emb: jax.Array, feat: jax.A
     eps = cfg.rms_norm_eps
     x = jnp.concatenate([rms_norm(emb.astype(feat.dtype), params.input_norm, eps),
                          rms_norm(feat, params.hidden_norm, eps)], axis=-1)  # [B, T, 2d]
-    q = jnp.einsum("bte,enh->btnh", x, params.wq)
-    k = jnp.einsum("bte,ekh->btkh", x, params.wk)
-    v = jnp.einsum("bte,ekh->btkh", x, params.wv)
+    if isinstance(params, FeatureMajorHead):
+        hq, hkv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = _times(x, params.wqkv)  # [B, T, (Hq + 2 Hkv) h]
+        q = qkv[..., : hq * h].reshape(*x.shape[:-1], hq, h)  # [B, T, Hq, h]
+        k = qkv[..., hq * h: (hq + hkv) * h].reshape(*x.shape[:-1], hkv, h)  # [B, T, Hkv, h]
+        v = qkv[..., (hq + hkv) * h:].reshape(*x.shape[:-1], hkv, h)  # [B, T, Hkv, h]
+    else:
+        q = jnp.einsum("bte,enh->btnh", x, params.wq)
+        k = jnp.einsum("bte,ekh->btkh", x, params.wk)
+        v = jnp.einsum("bte,ekh->btkh", x, params.wv)
     inv_freq = rope_inverse_frequencies(cfg)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
 def _finish(params: Eagle3Params, cfg: ModelConfig, feat: jax.Array, attn: jax.Array) -> jax.Array:
     """feat: [B, T, d] residual stream; attn: [B, T, Hq, h] -> the layer's output h [B, T, d]."""
+    if isinstance(params, FeatureMajorHead):
+        x = feat + _times(attn.reshape(*attn.shape[:-2], -1), params.wo)  # [B, T, d]
+        gate_up = _times(rms_norm(x, params.mlp_norm, cfg.rms_norm_eps), params.w_gate_up)  # [B, T, 2f]
+        f = gate_up.shape[-1] // 2
+        return x + _times(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], params.w_down)
     x = feat + jnp.einsum("btnh,nhd->btd", attn, params.wo)
     hx = rms_norm(x, params.mlp_norm, cfg.rms_norm_eps)
     gate = jnp.einsum("btd,df->btf", hx, params.w_gate)
@@ -421,6 +485,8 @@ def _finish(params: Eagle3Params, cfg: ModelConfig, feat: jax.Array, attn: jax.A
 def head_logits(params: Eagle3Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """h: [..., d] the head's output -> float32 draft logits [..., Vd]."""
     x = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+    if isinstance(params, FeatureMajorHead):
+        return _times(x, params.lm_head).astype(jnp.float32)  # [..., Vd]
     return jnp.einsum("...d,dv->...v", x, params.lm_head, preferred_element_type=jnp.float32)
 
 
@@ -478,7 +544,8 @@ def expand_pool(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache:
             feats=jnp.broadcast_to(h_root[:, None], (b, kk, h_root.shape[-1])),  # [B, K, d] its parents' outputs
             index=jnp.broadcast_to(slots, (b, kk)).astype(jnp.int32),  # [B, K] its pool indices
             ancestors=jnp.broadcast_to(jax.nn.one_hot(slots, fed, dtype=jnp.bool_), (b, kk, fed)),  # [B, K, F]
-            buf_k=jnp.zeros((b, fed, hkv, hd), params.wk.dtype), buf_v=jnp.zeros((b, fed, hkv, hd), params.wv.dtype),
+            buf_k=jnp.zeros((b, fed, hkv, hd), head_dtype(params)),  # [B, F, Hkv, h]
+            buf_v=jnp.zeros((b, fed, hkv, hd), head_dtype(params)),
             pool_scores=pool_scores, pool_ids=pool_ids, pool_parents=pool_parents,
         )
 
@@ -552,7 +619,7 @@ def static_tree(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache:
     level = np.flatnonzero(depths == 1)
     ids = ids.at[:, level].set(first[:, ranks[level]])
     outputs = jnp.zeros((b, t, h_root.shape[-1]), h_root.dtype)  # [B, T, d] the head's output at fed nodes
-    buf_k = jnp.zeros((b, t, cfg.num_kv_heads, cfg.head_dim), params.wk.dtype)  # [B, T, Hkv, h]
+    buf_k = jnp.zeros((b, t, cfg.num_kv_heads, cfg.head_dim), head_dtype(params))  # [B, T, Hkv, h]
     buf_v = jnp.zeros_like(buf_k)
     for depth in range(1, int(depths.max())):
         fed = np.array([j for j in np.flatnonzero(depths == depth) if np.any(parents == j)])  # [n]
@@ -640,7 +707,7 @@ def init_head_state(head: Eagle3Params, cfg: ModelConfig, prefill_out, cache_siz
     cfg: the head's config (`head_model_config`)."""
     prompt = fuse_features(head, prefill_out.hidden, cfg.rms_norm_eps)  # [B, P, d]
     b = prompt.shape[0]
-    cache = init_cache(cfg, b, cache_size, head.wk.dtype, num_layers=1)
+    cache = init_cache(cfg, b, cache_size, head_dtype(head), num_layers=1)
     return HeadState(cache=cache, pending=jnp.zeros((b, num_nodes + 1, prompt.shape[-1]), prompt.dtype),
                      prompt=prompt, first=jnp.array(True))
 
@@ -696,6 +763,18 @@ class Eagle3Drafter(Drafter):
 
     def head_config(self, target_cfg: ModelConfig) -> ModelConfig:
         return head_model_config(target_cfg, self.rope_theta, self.rope_scaling, self.rms_norm_eps)
+
+    def execution_params(self, params, mesh=None):
+        """A float32 head runs feature-major where the target's layers do (the per-layer CPU layout)."""
+        if isinstance(params, Eagle3Params) and params.fc.dtype == jnp.float32 and runs_per_layer(mesh):
+            return converted_once(params, feature_major_head)
+        return params
+
+    @property
+    def chain(self) -> bool:
+        """One child per expanded node: the pool is a chain, and the best nodes of it, kept in pool order, its first
+        ones (scores fall with depth, ties go to the lower index)."""
+        return self.num_nodes == 1 or (self.top_k == 1 and self.choices is None and not self.lookup_depth)
 
     def init(self, params, target_cfg, prompt_tokens, prompt_lengths, prefill_out, cache_size, sampling):
         return init_head_state(params, self.head_config(target_cfg), prefill_out, cache_size, self.num_nodes)

@@ -106,6 +106,10 @@ class PromptLookupDrafter(Drafter):
     def num_nodes(self) -> int:
         return self.depth
 
+    @property
+    def chain(self) -> bool:
+        return True
+
     def propose(self, params, state, inputs: RoundInputs, target_cfg, sampling, rng):
         tokens, valid = lookup_chain(inputs.history, inputs.lengths, self.depth, self.max_ngram, self.min_ngram)
         parents = jnp.broadcast_to(jnp.asarray(chain_parents(self.num_nodes)), tokens.shape)
