@@ -81,6 +81,13 @@ MUTANTS = (
            "jaxspec/speculative.py", "committed = jnp.where(active, acc.num_accepted + 1, 0)",
            "committed = jnp.where(active, acc.num_accepted, 0)", (SAMPLED, "tests/test_registry.py", "-k",
                                                                   "not wrong_q and not refused")),
+    Mutant("greedy-bonus-at-root", "greedy acceptance takes the bonus from the root's argmax, not the last accepted "
+           "node's", "jaxspec/verification.py", "    bonus = best[current]\n", "    bonus = best[0]\n",
+           (LOSSLESS, "-k", "greedy_acceptance")),
+    Mutant("tree-commit-as-chain", "an EAGLE head drafting trees claims chains, so the commit leaves a side branch's "
+           "keys and values where the verification wrote them", "jaxspec/drafters/eagle.py",
+           "return self.num_nodes == 1 or (self.top_k == 1 and self.choices is None and not self.lookup_depth)",
+           "return True", ("tests/test_registry.py", "-k", "eagle3 and not refused")),
 )
 
 
