@@ -139,10 +139,15 @@ def _accept_row(tokens, parents, valid, draft_probs, target_probs, uniforms, bon
     init = (jnp.int32(0), target_probs[0], jnp.zeros(num_nodes + 1, jnp.int32), jnp.int32(0))
     _, residual, path, count = jax.lax.fori_loop(0, num_nodes, visit, init)
     bonus = sample_from(residual, bonus_uniform, vocab_axis)
+    return path, count, _new_tokens(tokens, path, count, bonus), bonus
+
+
+def _new_tokens(tokens, path, count, bonus):
+    """One row's new tokens, int32[T+1]: the `count` accepted nodes' tokens along `path` (int32[T+1], root first),
+    then the bonus, zeros after. tokens: int32[T], by node."""
     node_tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), tokens])  # by verification index
-    new_tokens = jnp.where(jnp.arange(num_nodes + 1) < count, node_tokens[jnp.roll(path, -1)], 0)
-    new_tokens = new_tokens.at[count].set(bonus)
-    return path, count, new_tokens, bonus
+    new_tokens = jnp.where(jnp.arange(tokens.shape[0] + 1) < count, node_tokens[jnp.roll(path, -1)], 0)
+    return new_tokens.at[count].set(bonus)
 
 
 def accept(tree: DraftTree, target_probs: jax.Array, uniforms: jax.Array, bonus_uniforms: jax.Array,
@@ -176,9 +181,7 @@ def _accept_greedy_row(tokens, parents, valid, best):
     init = (jnp.int32(0), jnp.zeros(num_nodes + 1, jnp.int32), jnp.int32(0))
     current, path, count = jax.lax.fori_loop(0, num_nodes, visit, init)
     bonus = best[current]
-    node_tokens = jnp.concatenate([jnp.zeros((1,), jnp.int32), tokens])  # by verification index
-    new_tokens = jnp.where(jnp.arange(num_nodes + 1) < count, node_tokens[jnp.roll(path, -1)], 0)
-    return path, count, new_tokens.at[count].set(bonus), bonus
+    return path, count, _new_tokens(tokens, path, count, bonus), bonus
 
 
 def accept_greedy(tree: DraftTree, best: jax.Array) -> Acceptance:
