@@ -646,6 +646,27 @@ def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: C
     return best["shape"], rows
 
 
+def eagle_draft_seconds(cost: CostModel, batch: int, shape: TreeShape, *, target_work: int, layer_work: int,
+                        fuse_work: int, vocab_work: int) -> float:
+    """Seconds an EAGLE head drafts one round of `shape` at this batch size, on the target's verification cost model.
+
+    Every matrix is costed at the target's own seconds per weight at that many tokens per row (one verification
+    forward over n tokens per row multiplies `target_work` weights: its layers and its LM head), so a head matrix
+    of w weights over n tokens costs w * verify_seconds(batch, n) / target_work. A round runs the head's layer and
+    feature fusion over the last round's pairs (verified nodes + 1), the head's LM head over the draft vocabulary on
+    the root, then for each further depth the layer and the LM head over the top_k frontier nodes.
+
+    Args:
+        target_work: weights multiplied by one target forward per token (its layers, plus vocabulary x width);
+        layer_work, fuse_work, vocab_work: the head's decoder layer, its fusion of the feature layers, its LM head.
+    """
+    def per_weight(tokens: int) -> float:  # seconds per weight of a product over `tokens` tokens per row
+        return cost.verify_seconds(batch, tokens) / target_work
+
+    absorb = (layer_work + fuse_work) * per_weight(shape.verified_nodes + 1) + vocab_work * per_weight(1)
+    return absorb + (shape.depth - 1) * (layer_work + vocab_work) * per_weight(shape.top_k)
+
+
 def format_tree_table(rows: list[dict]) -> str:
     """A plain-text table of `choose_tree`'s rows, the chosen one marked with '*'."""
     lines = [f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'lookup':>6} {'tau':>6} {'verify ms':>10} {'draft ms':>9} "

@@ -117,22 +117,25 @@ class Method:
     def auto_tree(self, batch: int, greedy: bool = True):
         """(TreeShape, table) of --budget auto for eagle2/eagle3 at this batch size: the shape with the highest
         expected tokens/s from the device's verification cost model and the head's measured acceptance. Drafting is
-        costed as one target layer per head forward (each of the `depth` steps over top_k nodes, and the absorbing
-        of the last round's nodes + 1 pairs).
+        costed from the head's own matrices at the target's seconds per weight (`jaxspec.budget.eagle_draft_seconds`:
+        the layer and fusion over the last round's nodes + 1 pairs, the LM head over the draft vocabulary, and each
+        further depth's layer and LM head over top_k nodes).
 
         The acceptance model at T=0 comes from the head's ranks along greedy text (and the lookup chain's runs); with
         sampling (greedy False) from the target's probabilities of the head's top-k candidates (`draft_mass`: a
         sampled round keeps one of a node's children with their probability mass), measured at temperature 1, and
         the shapes with a prompt-lookup chain are left out (their acceptance at T > 0 is not modelled; at T=1 the
         chain cost more than it gave on MT-Bench and GSM8K, the README's results of 2026-12-05)."""
-        from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree
+        from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, eagle_draft_seconds
 
-        cost, layers = self._cost_model_at(batch, EAGLE_TOKEN_COUNTS), self.target.config.num_layers
+        cost, cfg, head = self._cost_model_at(batch, EAGLE_TOKEN_COUNTS), self.target.config, self.params
+        fuse, vocab = int(np.size(head.fc)), int(np.size(head.lm_head))
+        work = dict(target_work=parameter_count(self.target.weights.layers) + cfg.vocab_size * cfg.hidden_size,
+                    layer_work=parameter_count(head) - fuse - vocab - int(np.size(head.d2t)), fuse_work=fuse,
+                    vocab_work=vocab)
 
         def draft_seconds(rows: int, shape) -> float:
-            steps = shape.depth * cost.verify_seconds(rows, shape.top_k)  # the head's forwards over the tree
-            absorb = cost.verify_seconds(rows, shape.verified_nodes + 1)  # the head over the last round's pairs
-            return (steps + absorb) / layers
+            return eagle_draft_seconds(cost, rows, shape, **work)
 
         return choose_tree(cost, batch, self.tree_ranks, draft_seconds,
                            lookup_runs=self.lookup_runs if greedy else None,

@@ -257,6 +257,32 @@ def test_choose_tree_picks_the_argmax_of_its_own_throughput_model():
         choose_tree(cost, 0, ranks, draft)
 
 
+def test_eagle_draft_seconds_costs_each_head_matrix_at_the_targets_seconds_per_weight():
+    """A round's drafting, by hand: the layer and fusion over the last round's pairs, the LM head on the root, and
+    per further depth the layer and LM head over the frontier, each at verify_seconds(tokens) / target weights."""
+    from jaxspec.budget import TreeShape, eagle_draft_seconds
+
+    counts = [1, 2, 3, 4, 5, 7, 13, 21]
+    cost = CostModel(device="test", model="abc", batch_sizes=[1, 4], token_counts=counts,
+                     seconds=[[0.03 + 0.005 * (t - 1) for t in counts], [0.05 + 0.02 * (t - 1) for t in counts]])
+    work = dict(target_work=1000, layer_work=40, fuse_work=10, vocab_work=50)
+    per_weight = {1: {t: (0.03 + 0.005 * (t - 1)) / 1000 for t in counts},
+                  4: {t: (0.05 + 0.02 * (t - 1)) / 1000 for t in counts}}
+    for batch in (1, 4):
+        w = per_weight[batch]
+        chain1 = eagle_draft_seconds(cost, batch, TreeShape(1, 1, 1), **work)
+        assert chain1 == pytest.approx(50 * w[2] + 50 * w[1])  # absorb 2 pairs, LM head on the root
+        chain3 = eagle_draft_seconds(cost, batch, TreeShape(3, 1, 3), **work)
+        assert chain3 == pytest.approx(50 * w[4] + 50 * w[1] + 2 * 90 * w[1])
+        tree = eagle_draft_seconds(cost, batch, TreeShape(2, 3, 12), **work)
+        assert tree == pytest.approx(50 * w[13] + 50 * w[1] + 90 * w[3])
+        lookup = eagle_draft_seconds(cost, batch, TreeShape(1, 1, 1, 3), **work)  # 4 verified nodes: 5 pairs
+        assert lookup == pytest.approx(50 * w[5] + 50 * w[1])
+    # the same round costs more where each token costs more (batch 4 here)
+    assert eagle_draft_seconds(cost, 4, TreeShape(2, 1, 2), **work) > eagle_draft_seconds(cost, 1, TreeShape(2, 1, 2),
+                                                                                             **work)
+
+
 def test_sampled_rounds_follow_the_target_mass_of_the_candidates():
     """At T > 0 (`draft_mass` given) a shape's tau is 1 + the mean over positions of the sum over depths of the
     product of its levels' top_k masses (a chain: top-1 masses; a full depth-2 tree: m1 + m1 m2), the lookup shapes

@@ -780,13 +780,13 @@ def test_auto_tree_merges_a_lookup_chain_at_t0_only(tiny_llama3):
     from jaxspec.methods import Method
 
     _, model, _ = tiny_llama3
-    cfg, _ = _head(model)
+    cfg, params = _head(model)
     counts = list(EAGLE_TOKEN_COUNTS)
     cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
                      seconds=[[1e-2 + 1e-4 * (t - 1) for t in counts]])
     ranks = np.full((100, 6), 5)  # [P, D]: the head never right
     runs = np.full(100, 6)  # [P]: the lookup chain always right for 6 tokens
-    method = Method(name="eagle3", drafter=cfg.make_drafter(), params=None, target=model, cost_model=cost,
+    method = Method(name="eagle3", drafter=cfg.make_drafter(), params=params, target=model, cost_model=cost,
                     tree_ranks=ranks, lookup_runs=runs)
     greedy, sampled = method.drafter_for_batch(1), method.drafter_for_batch(1, greedy=False)
     # the shortest lookup chain of TREE_SHAPES (3, 5, 8, 12) that keeps all 6, under the cheapest head chain
