@@ -171,6 +171,76 @@ def process_logits(logits: jax.Array, sampling: SamplingConfig, vocab_axis: str 
     return logits - top - log_total
 
 
+SAMPLE_BLOCK = 256  # vocabulary entries per block of `sample_from`'s two-level search
+
+
+def _block_sums(blocks: jax.Array) -> jax.Array:
+    """[NB, block] -> [NB], each block's sum as a product with ones: XLA:CPU runs a reduction over the vocabulary as
+    one serial chain of adds (0.12 ms for 49k entries here), a matrix-vector product in a few microseconds."""
+    return jnp.dot(blocks, jnp.ones((blocks.shape[1],), blocks.dtype), precision=jax.lax.Precision.HIGHEST)
+
+
+def sample_from(probs: jax.Array, uniform: jax.Array, vocab_axis: str | None = None) -> jax.Array:
+    """Inverse-CDF draw from probs [V] (non-negative, unnormalised is fine) with a uniform in [0, 1): the first
+    index whose cumulative mass passes uniform * total; never a zero-mass token.
+
+    The CDF is searched in two levels rather than summed entry by entry (XLA:CPU's cumulative sum over a 49k
+    vocabulary took 0.55 ms here): the running mass of blocks of SAMPLE_BLOCK entries finds the block the draw falls
+    in, then the running sum inside that block alone the token. Should rounding put the draw past the block's own
+    running sum (the two sum in different orders), the block's last token of nonzero mass is taken; should it put
+    the draw past the whole running mass, the last token of nonzero mass.
+
+    With a vocab_axis (inside shard_map), probs is this device's slice: its running mass starts at the mass of the
+    slices before it (one all-gather of a number per device), and the first index above the draw is a min over
+    devices. Returns int32[] (a global index).
+    """
+    local_size = probs.shape[0]
+    offset = vocab_offset(local_size, vocab_axis)
+    block = min(SAMPLE_BLOCK, local_size)
+    blocks = jnp.pad(probs, (0, -local_size % block)).reshape(-1, block)  # [NB, block]
+    sums = _block_sums(blocks)  # [NB]
+    ends = jnp.cumsum(sums)  # [NB] running mass at each block's end
+    before = 0.0
+    total = ends[-1]
+    if vocab_axis is not None:
+        slice_mass = jax.lax.all_gather(total, vocab_axis)  # [devices]
+        before = jnp.sum(jnp.where(jnp.arange(slice_mass.shape[0]) < jax.lax.axis_index(vocab_axis), slice_mass, 0.0))
+        ends = ends + before
+        total = jnp.sum(slice_mass)
+    draw = uniform * total
+    passed = ends > draw  # [NB]
+    b = jnp.argmax(passed)  # the first block whose running mass passes the draw
+    start = jnp.where(b > 0, ends[jnp.maximum(b - 1, 0)], before)
+    inside = jax.lax.dynamic_index_in_dim(blocks, b, keepdims=False)  # [block]
+    inside_passed = start + jnp.cumsum(inside) > draw  # [block]
+    in_block = jnp.where(jnp.any(inside_passed), jnp.argmax(inside_passed), _last_positive(inside))
+    never = jnp.iinfo(jnp.int32).max
+    first_above = jnp.where(jnp.any(passed), b * block + in_block + offset, never)
+    last_block = sums.shape[0] - 1 - jnp.argmax((sums > 0)[::-1])  # the last block holding mass
+    last_nonzero = jnp.where(jnp.any(sums > 0), last_block * block + offset + _last_positive(
+        jax.lax.dynamic_index_in_dim(blocks, last_block, keepdims=False)), -1)
+    if vocab_axis is not None:
+        first_above = jax.lax.pmin(first_above, vocab_axis)
+        last_nonzero = jax.lax.pmax(last_nonzero, vocab_axis)
+    return jnp.where(first_above < never, first_above, last_nonzero).astype(jnp.int32)
+
+
+def _last_positive(x: jax.Array) -> jax.Array:
+    """x: [N] -> the index of its last positive entry (N - 1 when there is none)."""
+    return x.shape[0] - 1 - jnp.argmax((x > 0)[::-1])
+
+
+def sample_categorical(rng: jax.Array, log_probs: jax.Array) -> jax.Array:
+    """One draw per row from log-probabilities [..., V] (-inf: never) -> int32[...]: an inverse-CDF draw
+    (`sample_from`) with one uniform per row. The same distribution as `jax.random.categorical`, which draws a
+    Gumbel variate for every vocabulary entry (3 ms a row for a 49k vocabulary on XLA:CPU here, a tenth of a
+    decoding step)."""
+    lead = log_probs.shape[:-1]
+    uniforms = jax.random.uniform(rng, lead).reshape(-1)  # [N]
+    probs = jnp.exp(log_probs.astype(jnp.float32)).reshape(-1, log_probs.shape[-1])  # [N, V]
+    return jax.vmap(sample_from)(probs, uniforms).reshape(lead)
+
+
 def target_probs(logits: jax.Array, sampling: SamplingConfig, vocab_axis: str | None = None) -> jax.Array:
     """logits: [..., V] -> float32 probabilities [..., V] of p (this device's vocabulary slice inside shard_map)."""
     return jnp.exp(process_logits(logits, sampling, vocab_axis))
@@ -180,4 +250,4 @@ def sample_token(rng: jax.Array, logits: jax.Array, sampling: SamplingConfig) ->
     """logits: [B, V] -> int32[B], argmax when greedy, else a draw from p."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(rng, process_logits(logits, sampling), axis=-1).astype(jnp.int32)
+    return sample_categorical(rng, process_logits(logits, sampling))

@@ -32,9 +32,9 @@ from jaxspec.config import ModelConfig
 from jaxspec.model import ForwardOutput, Weights
 from jaxspec.sampling import (
     SamplingConfig,
+    sample_from,
     target_probs,
     vocab_argmax,
-    vocab_offset,
     vocab_one_hot,
     vocab_pick,
     vocab_sum,
@@ -88,32 +88,6 @@ def residual_after_rejection(residual: jax.Array, q: jax.Array, vocab_axis: str 
     left = jnp.maximum(residual - q, 0.0)
     total = vocab_sum(jnp.sum(left), vocab_axis)
     return jnp.where(total > 0, left / jnp.where(total > 0, total, 1.0), residual)
-
-
-def sample_from(probs: jax.Array, uniform: jax.Array, vocab_axis: str | None = None) -> jax.Array:
-    """Inverse-CDF draw from probs [V] (unnormalised is fine) with a uniform in [0, 1); never a zero-mass token.
-
-    With a vocab_axis, probs is this device's slice: the CDF is each slice's cumulative sum plus the mass of the
-    slices before it (one all-gather of a number per device), and the first index above the draw is a min over
-    devices.
-    """
-    local_size = probs.shape[0]
-    offset = vocab_offset(local_size, vocab_axis)
-    cdf = jnp.cumsum(probs)  # [V_local]
-    total = cdf[-1]
-    if vocab_axis is not None:
-        slice_mass = jax.lax.all_gather(cdf[-1], vocab_axis)  # [devices]
-        cdf = cdf + jnp.sum(jnp.where(jnp.arange(slice_mass.shape[0]) < jax.lax.axis_index(vocab_axis),
-                                      slice_mass, 0.0))
-        total = jnp.sum(slice_mass)
-    above = cdf > uniform * total
-    never = jnp.iinfo(jnp.int32).max
-    first_above = jnp.where(jnp.any(above), jnp.argmax(above) + offset, never)
-    last_nonzero = jnp.where(jnp.any(probs > 0), local_size - 1 - jnp.argmax((probs > 0)[::-1]) + offset, -1)
-    if vocab_axis is not None:
-        first_above = jax.lax.pmin(first_above, vocab_axis)
-        last_nonzero = jax.lax.pmax(last_nonzero, vocab_axis)
-    return jnp.where(first_above < never, first_above, last_nonzero).astype(jnp.int32)
 
 
 def _accept_row(tokens, parents, valid, draft_probs, target_probs, uniforms, bonus_uniform, vocab_axis=None):

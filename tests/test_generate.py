@@ -170,6 +170,41 @@ def test_samples_follow_the_distribution():
     assert freq[np.argmin(p)] == 0.0  # the token top-k removed never appears
 
 
+@pytest.mark.parametrize("size", [5, 256, 700])  # one block; exactly one full block; two full blocks and a part
+def test_sample_from_is_the_inverse_cdf_of_its_input(size):
+    """The two-level search (block masses, then the block's own running sum) picks, for every uniform, the token
+    numpy's float64 inverse CDF picks (away from the breakpoints themselves, where float32 rounding may go either
+    way); zero-mass tokens are never picked, even at a uniform just below 1 after trailing zeros."""
+    from jaxspec.sampling import sample_from
+
+    rng = np.random.default_rng(size)
+    probs = rng.random(size) ** 3 * (rng.random(size) < 0.7)  # [V], about 30% zeros, unnormalised
+    probs[-min(size // 3, 200):] = 0.0  # trailing zeros (at 700: the last, partial block holds no mass)
+    probs[0], probs[1] = 0.0, 0.5
+    cdf = np.cumsum(probs) / probs.sum()  # float64
+    uniforms = np.concatenate([rng.random(4000), [0.0, 1 - 2 ** -24]])
+    expected = np.minimum(np.searchsorted(cdf, uniforms, side="right"), np.flatnonzero(probs)[-1])
+    got = np.asarray(jax.jit(jax.vmap(sample_from, in_axes=(None, 0)))(jnp.asarray(probs, jnp.float32),
+                                                                       jnp.asarray(uniforms, jnp.float32)))
+    near = np.min(np.abs(uniforms[:, None] - cdf[None, :]), axis=1) < 1e-5  # [N] too close to a breakpoint
+    np.testing.assert_array_equal(got[~near], expected[~near])
+    assert np.all(probs[got] > 0)
+    assert got[-1] == np.flatnonzero(probs)[-1] and got[-2] == np.flatnonzero(probs)[0]
+
+
+def test_sample_categorical_draws_the_inverse_cdf_of_one_uniform_per_row():
+    """sample_categorical is sample_from on exp(log p) with the row's uniform from the key: the same draws, row by
+    row, for a [2, 3] batch of rows (frequencies are checked by test_samples_follow_the_distribution)."""
+    from jaxspec.sampling import sample_categorical, sample_from
+
+    log_p = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (2, 3, 300)) * 2)  # [2, 3, V]
+    key = jax.random.key(5)
+    got = sample_categorical(key, log_p)  # [2, 3]
+    uniforms = jax.random.uniform(key, (2, 3))
+    by_row = [[int(sample_from(jnp.exp(log_p[i, j]), uniforms[i, j])) for j in range(3)] for i in range(2)]
+    assert got.shape == (2, 3) and np.asarray(got).tolist() == by_row
+
+
 def test_bad_sampling_settings_are_clear_errors():
     for kwargs in ({"temperature": -1}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(UserError):

@@ -24,7 +24,7 @@ import numpy as np
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.model import ForwardOutput, Weights, execution_weights
-from jaxspec.sampling import SamplingConfig, process_logits
+from jaxspec.sampling import SamplingConfig, process_logits, sample_categorical
 from jaxspec.tree import DraftTree
 from jaxspec.verification import Acceptance
 
@@ -119,7 +119,7 @@ def choose_draft(logits: jax.Array, sampling: SamplingConfig, rng, width: int = 
         return jax.lax.top_k(logq, width)[1].astype(jnp.int32), None
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], None
-    return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], jnp.exp(logq)
+    return sample_categorical(rng, logq)[:, None], jnp.exp(logq)
 
 
 def draft_chain(step, first_logits: jax.Array, first_position: jax.Array, depth: int, sampling: SamplingConfig,

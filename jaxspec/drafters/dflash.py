@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters.block_head import BlockHeadDrafter
 from jaxspec.drafters.eagle import draft_to_target
-from jaxspec.sampling import process_logits
+from jaxspec.sampling import process_logits, sample_categorical
 from jaxspec.tree import DraftTree
 
 
@@ -39,5 +38,5 @@ class DFlashDrafter(BlockHeadDrafter):
                              valid=jnp.ones((b, k), jnp.bool_))
         full = jnp.full((b, k, target_cfg.vocab_size), -jnp.inf, jnp.float32).at[..., d2t].set(log_probs)
         logq = process_logits(full, sampling)  # [B, K, V]
-        tokens = jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)  # [B, K]
+        tokens = sample_categorical(rng, logq)  # [B, K]
         return DraftTree(tokens=tokens, parents=parents, valid=jnp.ones((b, k), jnp.bool_), draft_probs=jnp.exp(logq))
