@@ -58,12 +58,12 @@ MUTANTS = (
            "    residual = target_probs[current]",
            (LOSSLESS, SAMPLED, "-k", "not wrong_q")),
     Mutant("chain-q-untempered", "a sampled draft chain reports q from the untempered softmax",
-           "jaxspec/drafters/base.py", "return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], "
-           "jnp.exp(logq)", "return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], "
+           "jaxspec/drafters/base.py", "return sample_categorical(rng, logq)[:, None], jnp.exp(logq)",
+           "return sample_categorical(rng, logq)[:, None], "
            "jax.nn.softmax(logits, axis=-1)", (SAMPLED, "-k", "not wrong_q")),
     Mutant("chain-q-without-filters", "a sampled draft chain's q is tempered but misses top-k and top-p",
-           "jaxspec/drafters/base.py", "return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], "
-           "jnp.exp(logq)", "return jax.random.categorical(rng, logq, axis=-1).astype(jnp.int32)[:, None], "
+           "jaxspec/drafters/base.py", "return sample_categorical(rng, logq)[:, None], jnp.exp(logq)",
+           "return sample_categorical(rng, logq)[:, None], "
            "jax.nn.softmax(logits / sampling.temperature, axis=-1)", (SAMPLED, "-k", "not wrong_q")),
     Mutant("top-p-drops-crossing-token", "top-p keeps only the tokens strictly inside the threshold, not the one "
            "that crosses it", "jaxspec/sampling.py",
