@@ -88,6 +88,9 @@ MUTANTS = (
            "keys and values where the verification wrote them", "jaxspec/drafters/eagle.py",
            "return self.num_nodes == 1 or (self.top_k == 1 and self.choices is None and not self.lookup_depth)",
            "return True", ("tests/test_registry.py", "-k", "eagle3 and not refused")),
+    Mutant("sampler-block-starts-at-zero", "the two-level inverse-CDF draw searches the right block but forgets the "
+           "mass before it", "jaxspec/sampling.py", "start = jnp.where(b > 0, ends[jnp.maximum(b - 1, 0)], before)",
+           "start = before", ("tests/test_generate.py", "-k", "inverse_cdf")),
 )
 
 
