@@ -51,8 +51,8 @@ def profile_loop(args) -> None:
     target = load_model(args.model)
     weights = feature_major_layers(target.weights) if args.unstacked else target.weights
     cfg, b = target.config, args.batch
-    tokens = jnp.zeros((b, 64), jnp.int32)  # [B, 64]
-    lengths = jnp.full((b,), 40, jnp.int32)  # [B]
+    tokens = jnp.zeros((b, max(64, args.context)), jnp.int32)  # [B, P]
+    lengths = jnp.full((b,), args.context, jnp.int32)  # [B]
     if args.method == "autoregressive":
         fn = generate_tokens
         call_args = (weights, cfg, tokens, lengths, jax.random.key(0))
@@ -180,6 +180,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=256, help="cache slots per row")
     p.add_argument("--steps", type=int, default=33, help="new tokens")
+    p.add_argument("--context", type=int, default=40, help="prompt tokens per row before the first step")
     p.add_argument("--unstacked", action="store_true", help="the layers as per-layer buffers (see jaxspec.model)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--by-op", action="store_true", help="split each phase (draft, verify, commit) by kind of op")

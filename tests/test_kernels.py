@@ -91,6 +91,8 @@ def test_without_a_compiler_the_products_stay_with_xla(monkeypatch, tmp_path):
     (2, 3, 3, 3, 64, 64, [0, 64]),  # an empty row and a full one
     (3, 5, 2, 2, 16, 32, [7, 31, 1]),
     (2, 4, 1, 4, 12, 20, [5, 19]),  # a head size that is not a multiple of 8 (the scalar loops)
+    (1, 2, 2, 4, 128, 48, [45]),  # two 64-lane passes over the values (Qwen's head size)
+    (2, 3, 1, 2, 80, 40, [33, 17]),  # one 64-lane pass and a scalar remainder
     (16, 1, 3, 3, 64, 128, [108, 68, 81, 125, 21, 47, 89, 126, 35, 4, 67, 26, 61, 48, 89, 17]),
 ])
 def test_cache_attention_computes_the_models_attention(b, t, k, g, h, s, lengths):

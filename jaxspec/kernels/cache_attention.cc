@@ -53,17 +53,27 @@ struct Shapes {
   int64_t b, t, k, g, h, s;
 };
 
+// The dot products of one query with 8 keys, as one vector: acc[j] holds key j's partial sums in 8 lanes; three rounds
+// of pairwise horizontal adds and one add of the two halves leave key j's sum in lane j.
+inline __m256 eight_sums(const __m256 acc[8]) {
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // One (row, key/value head): its T x G queries over the row's first `length` slots and the new tokens they may see.
-// scores: scratch of T G x (length + T) floats.
+// scores: scratch of T G x (length + T) floats; out: [T G, h].
 void attend_head(const Shapes& d, const float* q, const float* cache_k, const float* cache_v, int64_t length,
                  const float* new_k, const float* new_v, const bool* mask, float* out, int64_t bi, int64_t ki,
                  std::vector<float>& scores) {
   const int64_t h = d.h, queries = d.t * d.g, width = length + d.t;
-  scores.assign(queries * width, 0.0f);
+  scores.resize(queries * width);
   const float* keys = cache_k + (bi * d.k + ki) * d.s * h;    // [S, h]
   const float* values = cache_v + (bi * d.k + ki) * d.s * h;  // [S, h]
-  auto query = [&](int64_t t, int64_t g) { return q + (((bi * d.t + t) * d.k + ki) * d.g + g) * h; };
+  auto query = [&](int64_t r) { return q + (((bi * d.t + r / d.g) * d.k + ki) * d.g + r % d.g) * h; };
   auto new_row = [&](const float* x, int64_t u) { return x + ((bi * d.t + u) * d.k + ki) * h; };
+  auto value_row = [&](int64_t column) { return column < length ? values + column * h : new_row(new_v, column - length); };
   const bool vectorised = h % 8 == 0;
   auto dot = [&](const float* a, const float* c) {
     if (!vectorised) {
@@ -75,30 +85,46 @@ void attend_head(const Shapes& d, const float* q, const float* cache_k, const fl
     for (int64_t i = 8; i < h; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(c + i), acc);
     return horizontal_sum(acc);
   };
-  // scores: each key read once for all the queries
-  for (int64_t s = 0; s < length; ++s) {
-    const float* key = keys + s * h;
-    for (int64_t t = 0; t < d.t; ++t)
-      for (int64_t g = 0; g < d.g; ++g) scores[(t * d.g + g) * width + s] = dot(query(t, g), key);
-  }
-  const float hidden = -INFINITY;
-  for (int64_t t = 0; t < d.t; ++t) {
-    for (int64_t u = 0; u < d.t; ++u) {
-      const bool seen = mask[(bi * d.t + t) * d.t + u];
-      for (int64_t g = 0; g < d.g; ++g)
-        scores[(t * d.g + g) * width + length + u] = seen ? dot(query(t, g), new_row(new_k, u)) : hidden;
+  // scores over the cache: 8 keys at a time for each query (the keys stay in L1 across the queries)
+  const int64_t blocked = vectorised ? length - length % 8 : 0;
+  for (int64_t s0 = 0; s0 < blocked; s0 += 8) {
+    const float* block = keys + s0 * h;
+    for (int64_t r = 0; r < queries; ++r) {
+      const float* qr = query(r);
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < h; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qr + i);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(block + j * h + i), acc[j]);
+      }
+      _mm256_storeu_ps(scores.data() + r * width + s0, eight_sums(acc));
     }
   }
-  // softmax of each query's scores (a query sees at least itself, so every maximum is finite)
+  for (int64_t s = blocked; s < length; ++s)
+    for (int64_t r = 0; r < queries; ++r) scores[r * width + s] = dot(query(r), keys + s * h);
+  const float hidden = -INFINITY;
+  for (int64_t r = 0; r < queries; ++r) {
+    const int64_t t = r / d.g;
+    for (int64_t u = 0; u < d.t; ++u)
+      scores[r * width + length + u] = mask[(bi * d.t + t) * d.t + u] ? dot(query(r), new_row(new_k, u)) : hidden;
+  }
+  // softmax of each query's scores, left unnormalised (a query sees at least itself, so every maximum is finite);
+  // the values' sum is scaled by 1 / the sum below
+  std::vector<float> inverse(queries);
   for (int64_t r = 0; r < queries; ++r) {
     float* row = scores.data() + r * width;
-    float top = -INFINITY;
-    for (int64_t i = 0; i < width; ++i) top = std::max(top, row[i]);
-    const __m256 top8 = _mm256_set1_ps(top);
-    __m256 sum8 = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= width; i += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), top8));
+    __m256 top8 = _mm256_set1_ps(hidden);
+    for (; i + 8 <= width; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(row + i));
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    top4 = _mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 1));
+    float top = _mm_cvtss_f32(top4);
+    for (; i < width; ++i) top = std::max(top, row[i]);
+    const __m256 top_all = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= width; i += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), top_all));
       _mm256_storeu_ps(row + i, e);
       sum8 = _mm256_add_ps(sum8, e);
     }
@@ -107,26 +133,32 @@ void attend_head(const Shapes& d, const float* q, const float* cache_k, const fl
       row[i] = row[i] == hidden ? 0.0f : std::exp(row[i] - top);
       sum += row[i];
     }
-    const float inverse = 1.0f / sum;
-    for (i = 0; i < width; ++i) row[i] *= inverse;
+    inverse[r] = 1.0f / sum;
   }
-  // out = probabilities x values: each value row read once for all the queries
-  for (int64_t r = 0; r < queries; ++r) std::fill(out + r * h, out + (r + 1) * h, 0.0f);  // out: [T G, h] scratch
-  auto accumulate = [&](const float* value, int64_t column) {
-    for (int64_t r = 0; r < queries; ++r) {
-      const float p = scores[r * width + column];
-      float* o = out + r * h;
-      if (vectorised) {
-        const __m256 p8 = _mm256_set1_ps(p);
-        for (int64_t i = 0; i < h; i += 8)
-          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p8, _mm256_loadu_ps(value + i), _mm256_loadu_ps(o + i)));
-      } else {
-        for (int64_t i = 0; i < h; ++i) o[i] += p * value[i];
+  // out = probabilities x values: for each query, 64 output lanes at a time held in registers over all the slots
+  for (int64_t r = 0; r < queries; ++r) {
+    const float* row = scores.data() + r * width;
+    float* o = out + r * h;
+    int64_t i0 = 0;
+    if (vectorised) {
+      const __m256 scale = _mm256_set1_ps(inverse[r]);
+      for (; i0 + 64 <= h; i0 += 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < width; ++c) {
+          const __m256 p = _mm256_set1_ps(row[c]);
+          const float* v = value_row(c) + i0;
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o + i0 + 8 * j, _mm256_mul_ps(acc[j], scale));
       }
     }
-  };
-  for (int64_t s = 0; s < length; ++s) accumulate(values + s * h, s);
-  for (int64_t u = 0; u < d.t; ++u) accumulate(new_row(new_v, u), length + u);
+    for (int64_t i = i0; i < h; ++i) {  // what is left of the head (a head size that is not a multiple of 64)
+      float sum = 0.0f;
+      for (int64_t c = 0; c < width; ++c) sum += row[c] * value_row(c)[i];
+      o[i] = sum * inverse[r];
+    }
+  }
 }
 
 struct Work {
@@ -178,8 +210,10 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   work->mask = mask.typed_data();
   work->out = out->typed_data();
   work->tasks = work->d.b * work->d.k;
-  // a task of a few thousand multiply-adds is not worth a hand-over to another thread
-  const int64_t per_task = work->d.t * work->d.g * work->d.h * (work->d.s + work->d.t);
+  // a hand-over to another thread takes a few microseconds: worth it from about 30,000 multiply-adds a task on
+  int64_t longest = 0;
+  for (int64_t bi = 0; bi < work->d.b; ++bi) longest = std::max<int64_t>(longest, work->lengths[bi]);
+  const int64_t per_task = 2 * work->d.t * work->d.g * work->d.h * (std::min(longest, work->d.s) + work->d.t);
   const int64_t helpers = per_task * work->tasks < (1 << 16) ? 0
                               : std::min<int64_t>(pool.num_threads(), work->tasks) - 1;
   jaxspec::run_on_pool(pool, work, helpers, work->tasks);
