@@ -424,6 +424,31 @@ def test_several_folders_read_as_one_dataset(target, tmp_path):
         RegeneratedDataset(f"{tmp_path / 'a'},{tmp_path / 'b'}")
 
 
+def test_fastest_layout_is_not_fooled_by_one_slow_short_run(target, monkeypatch):
+    """A run of one step slowed by another process (here the stacked layout's second one) must not make that layout's
+    step look short: the best of each run length is taken before their difference (the best of differences chose
+    a 7 ms "step" over 350 ms on a busy machine)."""
+    import time as time_module
+
+    generate_module = importlib.import_module("jaxspec.generate")
+    calls = {"stacked": 0, "unstacked": 0}
+    step_ms = {"stacked": 9.0, "unstacked": 3.0}
+
+    def fake_generate_tokens(weights, cfg, tokens, lengths, rng, *, max_new_tokens, cache_size, hidden_layers):
+        layout = "unstacked" if isinstance(weights.layers, tuple) else "stacked"
+        slow = 0.0
+        if max_new_tokens == 1:
+            calls[layout] += 1
+            slow = 60.0 if layout == "stacked" and calls[layout] == 2 else 0.0  # the first timed short run
+        time_module.sleep((20.0 + slow + step_ms[layout] * max_new_tokens) / 1e3)
+        return tokens
+
+    monkeypatch.setattr(generate_module, "generate_tokens", fake_generate_tokens)
+    layout, seconds = generate_module.fastest_layout(target.weights, target.config, 4, 48, (1,), steps=5, repeats=2)
+    assert layout == "unstacked"
+    assert seconds["stacked"] * 1e3 == pytest.approx(9.0, abs=2.0)
+
+
 @pytest.mark.parametrize("faster", ["stacked", "unstacked"])
 def test_fastest_layout_picks_the_layout_that_decodes_faster(target, monkeypatch, faster):
     """`jaxspec regenerate --layers auto`: the layout whose measured step (prefill subtracted) is shorter, with the
