@@ -196,7 +196,7 @@ def measure_cost_model(
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
     context: int = DEFAULT_CONTEXT,
-    repeats: int = 3,
+    repeats: int = 9,
     progress: bool = True,
     skip: frozenset[tuple[int, int]] = frozenset(),
 ) -> CostModel:
@@ -204,8 +204,11 @@ def measure_cost_model(
 
     Each shape runs a chain tree of T = tokens - 1 nodes over a cache holding `context` tokens per row (one token:
     the autoregressive decoding step), with the weights and the cache laid out as the decoding loops lay them out
-    (`execution_weights`: per-layer buffers under JAXSPEC_LAYERS=unstacked); one call compiles (not timed), then the
-    median of `repeats` timed calls is kept.
+    (`execution_weights`: per-layer buffers under JAXSPEC_LAYERS=unstacked); one call per shape compiles (not timed),
+    then the shapes of a batch size run in turn, one untimed round and `repeats` timed ones, and each shape's
+    median is kept: a host whose speed drifts while it measures moves every shape alike, so the differences between
+    token counts (what `--budget auto` weighs) stay true (timed shape after shape, with the median of 3, a drift of
+    a few percent once made a third verified token look nearly free and flipped the choice).
 
     Args:
         target: a `jaxspec.loading.LoadedModel`.
@@ -231,28 +234,28 @@ def measure_cost_model(
                                per_layer=isinstance(weights.layers, tuple))  # as the decoding loops make it
             cache = dataclasses.replace(cache, lengths=jnp.full((b,), context, jnp.int32))
             root = jnp.zeros((b,), jnp.int32)  # [B]
-            row = []
+            trees = {}  # token count -> its chain tree, compiled
             for tokens in token_counts:
                 if (b, tokens) in skip:
-                    row.append(None)
                     continue
                 num_nodes = tokens - 1
-                tree = DraftTree(
+                trees[tokens] = DraftTree(
                     tokens=jnp.zeros((b, num_nodes), jnp.int32),  # [B, T]
                     parents=jnp.broadcast_to(jnp.asarray(chain_parents(num_nodes)), (b, num_nodes)),  # [B, T]
                     valid=jnp.ones((b, num_nodes), jnp.bool_),  # [B, T]
                 )
-                logits, cache = _verify_logits_jit(weights, cfg, cache, root, tree)  # compiles
+                logits, cache = _verify_logits_jit(weights, cfg, cache, root, trees[tokens])  # compiles
                 jax.block_until_ready(logits)
-                times = []
-                for _ in range(repeats):
+                bar.update(1)
+            times = {tokens: [] for tokens in trees}
+            for repeat in range(repeats + 1):  # the shapes in turn, so that a drifting host moves them alike
+                for tokens, tree in trees.items():
                     start = time.perf_counter()
                     logits, cache = _verify_logits_jit(weights, cfg, cache, root, tree)
                     jax.block_until_ready(logits)
-                    times.append(time.perf_counter() - start)
-                row.append(statistics.median(times))
-                bar.update(1)
-            seconds.append(row)
+                    if repeat > 0:  # the first round warms up (it ran slow right after compiling)
+                        times[tokens].append(time.perf_counter() - start)
+            seconds.append([statistics.median(times[t]) if t in times else None for t in token_counts])
             del cache
     return CostModel(
         device=device_name(weights.embed.dtype),
