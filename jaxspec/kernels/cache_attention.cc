@@ -3,8 +3,11 @@
 // XLA:CPU runs the cache products of `jaxspec.model._attention` as batched library products over every slot of the
 // cache (up to the bucket size, whatever a row's length), with a transposed copy of the values and one small product
 // per (row, key/value head): at batch 16 and 128 slots about 40 ms of a 200 ms step on the 2-core EPYC. This kernel
-// reads each row's keys and values once, up to its length, for all its queries (T new tokens x G query heads per
-// key/value head), with a vectorised exponential. Built with small_product.cc (jaxspec/kernels/__init__.py).
+// reads each row's keys and values up to its length only: for each (row, key/value head) the scores of all its
+// queries (T new tokens x G query heads), 8 keys at a time, their softmaxes with a vectorised exponential, then per
+// query the values accumulated in registers (the second and later queries find the values in cache; a softmax
+// fused into each query's value pass measured 5-10% slower at 8-16 queries). Built with small_product.cc
+// (jaxspec/kernels/__init__.py).
 //
 //   q: f32[B, T, K, G, h] (scaled), cache_k, cache_v: f32[B, K, S, h], lengths: s32[B], new_k, new_v: f32[B, T, K, h],
 //   mask: pred[B, T, T] (query t sees new token u) -> out: f32[B, T, K, G, h]
@@ -210,7 +213,8 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   work->mask = mask.typed_data();
   work->out = out->typed_data();
   work->tasks = work->d.b * work->d.k;
-  // a hand-over to another thread takes a few microseconds: worth it from about 30,000 multiply-adds a task on
+  // a hand-over to another thread takes a few microseconds: worth it from about 65,000 multiply-adds a call (scores
+  // and values over the rows' real lengths, not the bucket)
   int64_t longest = 0;
   for (int64_t bi = 0; bi < work->d.b; ++bi) longest = std::max<int64_t>(longest, work->lengths[bi]);
   const int64_t per_task = 2 * work->d.t * work->d.g * work->d.h * (std::min(longest, work->d.s) + work->d.t);
