@@ -110,6 +110,16 @@ def test_generation_pads_after_eos_and_counts(tiny_llama3):
     assert counts[0] == first + 1 and np.all(np.asarray(out[0, first + 1:]) == PAD)
 
 
+def test_prompt_widths_step_by_32_from_64(tiny_llama3):
+    """The prefill computes every padded position: short prompts share the 64-token width, longer ones are padded to
+    the next multiple of 32 (an 88-token prompt costs 96 positions, not 128), and every row keeps its length."""
+    _, model, _ = tiny_llama3
+    for longest, width in ((1, 64), (64, 64), (65, 96), (88, 96), (96, 96), (97, 128), (129, 160)):
+        batch = pad_prompts([[7] * longest, [5] * 3], 4, model.config)
+        assert batch.tokens.shape == (2, width) and batch.lengths.tolist() == [longest, 3]
+        assert batch.cache_size % 128 == 0 and batch.cache_size >= width + 4
+
+
 def test_prompt_too_long_for_the_cache_is_a_clear_error(tiny_llama3):
     _, model, ref = tiny_llama3
     with pytest.raises(UserError, match="cache slots"):
@@ -216,7 +226,7 @@ def test_bad_sampling_settings_are_clear_errors():
 
 def _ragged_prompts(vocab: int, count: int = 7) -> list[list[int]]:
     rng = np.random.default_rng(7)
-    return [rng.integers(1, vocab, n).tolist() for n in rng.integers(1, 70, count)]  # both prompt buckets (64, 128)
+    return [rng.integers(1, vocab, n).tolist() for n in rng.integers(1, 70, count)]  # both prompt widths (64, 96)
 
 
 @pytest.mark.parametrize("name,layers", [("llama3", "stacked"), ("llama3", "unstacked"), ("qwen3_5", "stacked")])
