@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache, commit_recurrent, init_cache, replace_rows
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, execution_weights, lm_head
+from jaxspec.model import Weights, execution_weights, greedy_tokens, lm_head
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 from jaxspec.sharding import forward_on_mesh, place_inputs, to_host
 
@@ -65,32 +65,41 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
 
 
 def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVCache, advance: jax.Array,
-                mesh: Mesh | None = None, hidden_layers: tuple[int, ...] = ()):
+                mesh: Mesh | None = None, hidden_layers: tuple[int, ...] = (), greedy: bool = False):
     """Feeds one token per row at position lengths[b]; returns (logits [B, V], cache), and with `hidden_layers`
     also the residual stream after those layers at the fed token, [n, B, d]: (logits, cache, hidden).
 
     token: int32[B]; advance: bool[B], rows whose cache length moves on (finished rows stay put).
+    greedy: return each row's next token, the argmax int32[B], in place of the logits (`greedy_tokens`, which on
+        CPU finds it from the bfloat16 screen of the LM head).
     """
+    screen = greedy and mesh is None
     out = forward_on_mesh(mesh, weights, cfg, token[:, None], cache.lengths[:, None], cache,
-                          hidden_layers=hidden_layers)
+                          hidden_layers=hidden_layers, compute_logits=not screen)
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + advance.astype(jnp.int32))
     cache = commit_recurrent(cache, out.pending, jnp.zeros_like(token)[:, None], advance.astype(jnp.int32))
+    if screen:
+        scores = greedy_tokens(weights, cfg, out.last_hidden)[:, 0]  # [B]
+    elif greedy:
+        scores = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
+    else:
+        scores = out.logits[:, 0]  # [B, V]
     if hidden_layers:
-        return out.logits[:, 0], cache, out.hidden[:, :, 0]
-    return out.logits[:, 0], cache
+        return scores, cache, out.hidden[:, :, 0]
+    return scores, cache
 
 
 def _decode_keeping_features(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVCache, done: jax.Array,
                              features: jax.Array | None, mesh: Mesh | None, hidden_layers: tuple[int, ...],
-                             hidden_dtype):
+                             hidden_dtype, greedy: bool = False):
     """A decoding step of the rows not `done` (bool[B]) that also stores, with `hidden_layers`, the residual stream
     after those layers at the fed token `last` (int32[B]) in `features` [n, B, S, d] (the bits of hidden_dtype) at the
-    token's position. Returns (logits [B, V], cache, features)."""
+    token's position. Returns (logits [B, V], or with `greedy` the next tokens int32[B], cache, features)."""
     if not hidden_layers:
-        logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh)
+        logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh, greedy=greedy)
         return logits, cache, features
     position = cache.lengths  # [B]: where `last` goes
-    logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers)
+    logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers, greedy=greedy)
     where = jnp.where(done, features.shape[2], position)  # finished rows write out of range, which is dropped
     rows = jnp.arange(last.shape[0])
     return logits, cache, features.at[:, rows, where].set(_to_bits(hidden, hidden_dtype), mode="drop")
@@ -169,9 +178,9 @@ def generate_tokens(
 
     def body(state):
         step, cache, out, last, done, features = state
-        logits, cache, features = _decode_keeping_features(weights, cfg, last, cache, done, features, mesh,
-                                                           hidden_layers, hidden_dtype)
-        new = sample_token(jax.random.fold_in(rng, step), logits, sampling)
+        scores, cache, features = _decode_keeping_features(weights, cfg, last, cache, done, features, mesh,
+                                                           hidden_layers, hidden_dtype, sampling.greedy)
+        new = scores if sampling.greedy else sample_token(jax.random.fold_in(rng, step), scores, sampling)  # [B]
         new = jnp.where(done, PAD, new)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
         return step + 1, cache, out, jnp.maximum(new, 0), done | _is_eos(new, eos_ids), features
@@ -184,7 +193,7 @@ def generate_tokens(
 
 
 _prefill_jit = jax.jit(prefill, static_argnames=("cfg",), donate_argnames=("cache",))
-_decode_step_jit = jax.jit(decode_step, static_argnames=("cfg",), donate_argnames=("cache",))
+_decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
 _sample_jit = jax.jit(sample_token)
 
 
@@ -363,8 +372,8 @@ def stream_generate(
     done = np.zeros(len(batch.lengths), bool)
     for step in range(max_new_tokens):
         if step > 0:
-            logits, cache = _decode_step_jit(weights, cfg, last, cache, jnp.asarray(~done))
-            last = _sample_jit(jax.random.fold_in(rng, step), logits, sampling)
+            scores, cache = _decode_step_jit(weights, cfg, last, cache, jnp.asarray(~done), greedy=sampling.greedy)
+            last = scores if sampling.greedy else _sample_jit(jax.random.fold_in(rng, step), scores, sampling)
         tokens = np.where(done, PAD, np.asarray(last))
         yield tokens
         done |= np.isin(tokens, eos)
@@ -450,9 +459,10 @@ def _continue_rows(weights: Weights, cfg: ModelConfig, state: RowsState, rng: ja
 
     def body(carry):
         step, s = carry
-        logits, cache, features = _decode_keeping_features(weights, cfg, s.last, s.cache, s.done, s.features, None,
-                                                           hidden_layers, hidden_dtype)
-        new = jnp.where(s.done, PAD, _sample_rows(rng, s.sample, s.count, logits, sampling))  # [B]
+        scores, cache, features = _decode_keeping_features(weights, cfg, s.last, s.cache, s.done, s.features, None,
+                                                           hidden_layers, hidden_dtype, sampling.greedy)
+        new = scores if sampling.greedy else _sample_rows(rng, s.sample, s.count, scores, sampling)  # [B]
+        new = jnp.where(s.done, PAD, new)
         out = s.out.at[rows, jnp.where(s.done, n, s.count)].set(new, mode="drop")
         count = s.count + (~s.done).astype(jnp.int32)
         done = s.done | _is_eos(new, eos_ids) | (count >= n)

@@ -30,7 +30,13 @@ from jaxspec.gated_delta import (
     tree_conv,
     tree_gated_delta,
 )
-from jaxspec.kernels import cache_attention, cache_attention_enabled, feature_major_product
+from jaxspec.kernels import (
+    cache_attention,
+    cache_attention_enabled,
+    feature_major_product,
+    greedy_head,
+    small_product_columns,
+)
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -91,6 +97,22 @@ class Weights:
     layers: LayerWeights | tuple[LayerWeights, ...]
     final_norm: jax.Array  # [d]
     lm_head: jax.Array | None = None  # [d, V]
+    head_screen: HeadScreen | None = None  # the CPU layout's bfloat16 copy of the output matrix (`greedy_tokens`)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadScreen:
+    """A bfloat16 copy of the output matrix, from which `greedy_tokens` finds the argmax of the logits reading half
+    the bytes of the float32 matrix (113 of SmolLM2's 538 MB a decoding step reads), then checks it in float32.
+
+    error: float32 scalar, with which |screened logit - float32 logit| <= error * ||h||_2 for every token and any
+    final-normed hidden state h: max_v ||matrix_v - E_v||_2 (the rounding to bfloat16, by Cauchy-Schwarz) plus
+    2 * gamma_d * max_v max(||E_v||_2, ||matrix_v||_2) (both products' float32 rounding, in any order of summation:
+    gamma_d = d u / (1 - d u), u = 2^-24)."""
+
+    matrix: jax.Array  # bfloat16 [V, d]
+    error: jax.Array  # float32 []
 
 
 @jax.tree_util.register_dataclass
@@ -613,9 +635,35 @@ def unstack_layers(weights: Weights) -> Weights:
 
 
 def feature_major_layers(weights: Weights) -> Weights:
-    """The weights unstacked (`unstack_layers`) with every dense layer as a FeatureMajorLayer (the CPU layout)."""
+    """The weights unstacked (`unstack_layers`) with every dense layer as a FeatureMajorLayer (the CPU layout), and a
+    float32 output matrix's bfloat16 screen (`head_screen`)."""
     weights = unstack_layers(weights)
-    return dataclasses.replace(weights, layers=tuple(feature_major_layer(lw) for lw in weights.layers))
+    return dataclasses.replace(weights, layers=tuple(feature_major_layer(lw) for lw in weights.layers),
+                               head_screen=head_screen(weights))
+
+
+def output_matrix(weights: Weights) -> jax.Array:
+    """The LM head as [V, d] rows, one per token: the embedding when tied, else lm_head transposed."""
+    return weights.embed if weights.lm_head is None else weights.lm_head.T
+
+
+def head_screen(weights: Weights) -> HeadScreen | None:
+    """The bfloat16 screen of a float32 output matrix (`HeadScreen`), its error bound computed in float64; None for
+    other dtypes, off CPU, or where the few-column kernel is off ($JAXSPEC_SMALL_PRODUCT=off, or it cannot build)."""
+    rows = output_matrix(weights)  # [V, d]
+    if rows.dtype != jnp.float32 or jax.default_backend() != "cpu" or not small_product_columns():
+        return None
+    matrix = rows.astype(jnp.bfloat16)  # [V, d]
+    rounding = norm = 0.0  # max over rows of ||matrix_v - E_v||^2 and of ||E_v||^2, ||matrix_v||^2
+    for start in range(0, rows.shape[0], 4096):  # in float64, 4096 rows at a time
+        exact = np.asarray(rows[start: start + 4096], np.float64)  # [<=4096, d]
+        screened = np.asarray(matrix[start: start + 4096].astype(jnp.float32), np.float64)
+        rounding = max(rounding, float(np.max(np.sum((screened - exact) ** 2, axis=1))))
+        norm = max(norm, float(np.max(np.sum(exact ** 2, axis=1))), float(np.max(np.sum(screened ** 2, axis=1))))
+    d, unit = rows.shape[1], 2.0 ** -24
+    gamma = d * unit / (1 - d * unit)
+    error = np.sqrt(rounding) + 2 * gamma * np.sqrt(norm)
+    return HeadScreen(matrix=matrix, error=jnp.asarray(error, jnp.float32))
 
 
 def select_layers(layers: LayerWeights | tuple[LayerWeights, ...], start: int, end: int):
@@ -722,6 +770,26 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
     if weights.lm_head is None:
         return jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
     return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+
+
+SCREEN_CANDIDATES = 8  # tokens the greedy head scores in float32 per position (kCandidates in greedy_head.cc)
+
+
+def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The argmax of `lm_head(weights, cfg, x)` over the vocabulary (the lowest id among equal maxima): x: [B, T, d]
+    residual stream -> int32[B, T].
+
+    With a `HeadScreen` (the CPU layout, at most 16 positions) the kernel `jaxspec.kernels.greedy_head` reads the
+    bfloat16 copy instead of the float32 matrix: screened logits for every token, the SCREEN_CANDIDATES best scored
+    again in float32 from their rows, and the best of those is the argmax whenever the next screened logit plus the
+    screen's error bound stays below it (then no other token can reach it); where that is not certain, every
+    token's float32 logit decides. Sampling needs the full logits and does not come here."""
+    b, t, d = x.shape
+    screen = weights.head_screen
+    if screen is None or b * t > 16:  # the kernel's limit; beyond it the head's product is compute-bound anyway
+        return jnp.argmax(lm_head(weights, cfg, x), axis=-1).astype(jnp.int32)
+    h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps).reshape(b * t, d)  # [N, d]
+    return greedy_head(screen.matrix, output_matrix(weights), h, screen.error).reshape(b, t)
 
 
 # ---------------------------------------------------------------------------------------------- forward

@@ -24,10 +24,10 @@ from jaxspec.cache import commit_positions, commit_recurrent, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
-from jaxspec.model import Weights
+from jaxspec.model import Weights, greedy_tokens
 from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
 from jaxspec.sharding import place_inputs, replicate_on_mesh, to_host
-from jaxspec.verification import verify_and_accept, verify_forward
+from jaxspec.verification import accept_greedy, verify_and_accept, verify_forward
 
 ROUND_PHASES = ("draft", "verify", "accept", "commit")  # the loop body's jax.named_scopes, in order
 
@@ -97,12 +97,17 @@ def speculative_generate_tokens(
                              root=root)
         with jax.named_scope("draft"):
             tree, state, cache = drafter.propose(drafter_params, state, inputs, cfg, sampling, draft_key)
+        screen = sampling.greedy and mesh is None  # the argmaxes alone decide: `greedy_tokens`, no full logits
         with jax.named_scope("verify"):
-            verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers, mesh)
+            verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers, mesh,
+                                          compute_logits=not screen)
         with jax.named_scope("accept"):
-            acc = verify_and_accept(tree, verification.logits, sampling,  # logits [B, T+1, V]
-                                    jax.random.uniform(accept_key, (b, num_nodes)), jax.random.uniform(bonus_key, (b,)),
-                                    mesh)
+            if screen:
+                acc = accept_greedy(tree, greedy_tokens(weights, cfg, verification.last_hidden))  # argmax [B, T+1]
+            else:
+                acc = verify_and_accept(tree, verification.logits, sampling,  # logits [B, T+1, V]
+                                        jax.random.uniform(accept_key, (b, num_nodes)),
+                                        jax.random.uniform(bonus_key, (b,)), mesh)
         with jax.named_scope("commit"):
             num_new = acc.num_accepted + 1  # [B]
             is_eos = jnp.isin(acc.tokens, eos) & (jnp.arange(width) < num_new[:, None])  # [B, T+1]

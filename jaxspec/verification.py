@@ -62,18 +62,20 @@ class Acceptance:
 
 def verify_forward(
     weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree,
-    hidden_layers: tuple[int, ...] = (), mesh: Mesh | None = None,
+    hidden_layers: tuple[int, ...] = (), mesh: Mesh | None = None, compute_logits: bool = True,
 ) -> ForwardOutput:
     """Runs the target on [root, nodes...] under the tree's ancestor mask at positions length + depth.
 
-    root: int32[B], placed at position cache.lengths[b]. Returns logits [B, T+1, V]; the keys and values of all
+    root: int32[B], placed at position cache.lengths[b]. Returns logits [B, T+1, V] (None with compute_logits
+    False: `jaxspec.model.greedy_tokens` takes the argmaxes from last_hidden); the keys and values of all
     T + 1 tokens are written at [lengths, lengths + T + 1) and nothing is committed. On a (data, model) mesh
     the forward is tensor-parallel under shard_map, each row's tree mask built on the device that holds the row.
     """
     tokens = jnp.concatenate([root[:, None], tree.tokens], axis=1)  # [B, T+1]
     mask = ancestor_mask(tree.parents)  # [B, T+1, T+1], built once: the depths are its row sums
     positions = cache.lengths[:, None] + jnp.sum(mask, axis=-1, dtype=jnp.int32) - 1  # [B, T+1]: length + depth
-    return forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, mask, hidden_layers=hidden_layers)
+    return forward_on_mesh(mesh, weights, cfg, tokens, positions, cache, mask, hidden_layers=hidden_layers,
+                           compute_logits=compute_logits)
 
 
 def acceptance_probability(residual: jax.Array, q: jax.Array, token: jax.Array,

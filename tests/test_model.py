@@ -5,6 +5,8 @@ tests/fixtures/ because torch is not a jaxspec dependency.
 """
 
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,6 +204,69 @@ def test_lm_head_on_a_reduced_vocabulary_is_the_full_logits_columns(tiny):
         full = np.asarray(lm_head(weights, cfg, x))  # [B, T, V]
         np.testing.assert_allclose(np.asarray(lm_head(weights, cfg, x, vocab)), full[..., np.asarray(vocab)],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_tokens_through_the_bfloat16_screen_are_the_float32_argmax(tiny_llama3):
+    """`greedy_tokens` with a `HeadScreen` (the CPU layout) gives the argmax of the float32 logits: tied and untied
+    output matrices, the lowest id where two tokens tie exactly, and the float32 logits deciding where the screen
+    cannot be sure (an error bound too wide to certify anything)."""
+    import dataclasses
+
+    from jaxspec.model import HeadScreen, greedy_tokens, head_screen, lm_head
+
+    _, model, ref = tiny_llama3
+    cfg, w = model.config, model.weights
+    rng = np.random.default_rng(0)
+    embed = np.asarray(w.embed).copy()
+    embed[40] = embed[9]  # tokens 9 and 40 score alike for every h
+    tied = dataclasses.replace(w, embed=jnp.asarray(embed), lm_head=None)
+    untied = dataclasses.replace(w, lm_head=jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.vocab_size)) * 0.05,
+                                                        jnp.float32))
+    x = jnp.asarray(rng.normal(size=(2, 6, cfg.hidden_size)), jnp.float32)  # [B, T, d]
+    x = x.at[1, 2].set(jnp.asarray(embed[9]) / w.final_norm * 30.0)  # a position whose argmax is the tie 9 / 40
+    for weights in (tied, untied):
+        screen = head_screen(weights)
+        assert screen is not None and screen.matrix.dtype == jnp.bfloat16 and 0 < float(screen.error) < 1e-2
+        expected = np.argmax(np.asarray(lm_head(weights, cfg, x)), axis=-1)  # [B, T]
+        for certain in (True, False):
+            use = screen if certain else dataclasses.replace(screen, error=jnp.float32(1e6))
+            got = jax.jit(greedy_tokens, static_argnums=1)(dataclasses.replace(weights, head_screen=use), cfg, x)
+            assert got.dtype == jnp.int32 and got.shape == (2, 6)
+            np.testing.assert_array_equal(np.asarray(got), expected)
+    assert np.argmax(np.asarray(lm_head(tied, cfg, x))[1, 2]) == 9  # the tie was reached, and went to the lower id
+    # a screen that misranks the winners (their rows zeroed), with its honest error bound: the float32 logits decide
+    expected = np.argmax(np.asarray(lm_head(untied, cfg, x)), axis=-1)  # [B, T]
+    rows = np.asarray(untied.lm_head).T.astype(np.float64)  # [V, d]
+    wrong = rows.copy()
+    wrong[np.unique(expected)] = 0.0
+    d, unit = rows.shape[1], 2.0 ** -24
+    bound = (np.sqrt(np.max(np.sum((wrong - rows) ** 2, axis=1)))
+             + 2 * d * unit / (1 - d * unit) * np.sqrt(np.max(np.sum(rows ** 2, axis=1))))
+    misranking = HeadScreen(matrix=jnp.asarray(wrong, jnp.bfloat16), error=jnp.float32(bound))
+    got = jax.jit(greedy_tokens, static_argnums=1)(dataclasses.replace(untied, head_screen=misranking), cfg, x)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_greedy_tokens_on_smollm2_certify_the_argmax_along_a_real_answer(smollm2, smollm2_reference):
+    """On SmolLM2's real output matrix (49,152 tokens, tied): the screen's error bound is tight enough that most
+    positions of a real answer are certified from the bfloat16 copy, and every position's token is the float32
+    argmax."""
+    from jaxspec.model import SCREEN_CANDIDATES, greedy_tokens, head_screen, lm_head, rms_norm
+
+    cfg, w = smollm2.config, smollm2.weights
+    ids = np.concatenate([smollm2_reference["prompt_ids_0"].reshape(-1), smollm2_reference["greedy_0"].reshape(-1)])
+    x = forward(w, cfg, jnp.asarray(ids[None]), jnp.arange(len(ids), dtype=jnp.int32)[None],
+                compute_logits=False).last_hidden  # [1, L, d]
+    screened = dataclasses.replace(w, head_screen=head_screen(w))
+    step = jax.jit(greedy_tokens, static_argnums=1)
+    got = np.concatenate([np.asarray(step(screened, cfg, x[:, i: i + 8]))[0] for i in range(0, len(ids) - 7, 8)])
+    logits = np.asarray(lm_head(w, cfg, x))[0]  # [L, V]
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1)[: len(got)])
+    h = np.asarray(rms_norm(x, w.final_norm, cfg.rms_norm_eps))[0]  # [L, d]
+    margin = float(screened.head_screen.error) * np.linalg.norm(h, axis=1)  # [L]
+    ranked = np.sort(logits, axis=1)
+    gap = ranked[:, -1] - ranked[:, -1 - SCREEN_CANDIDATES]  # best against the first token left out
+    assert np.mean(gap > 2 * margin) > 0.9, (np.median(margin), np.median(gap))
 
 
 def test_rows_of_a_batch_are_independent(tiny):

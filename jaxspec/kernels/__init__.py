@@ -33,13 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCES = tuple(os.path.join(os.path.dirname(__file__), name) for name in ("small_product.cc", "cache_attention.cc"))
+SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
+                for name in ("small_product.cc", "cache_attention.cc", "greedy_head.cc"))
 HEADERS = (os.path.join(os.path.dirname(__file__), "cpu_common.h"),)  # included by the sources, part of the digest
 MAX_COLUMNS = 16  # kMaxColumns in small_product.cc
 ENV = "JAXSPEC_SMALL_PRODUCT"  # "off", a column count, or unset / "auto": measured once per machine
 ATTENTION_ENV = "JAXSPEC_CACHE_ATTENTION"  # "off": XLA's attention over the cache; unset / "on": the kernel
 TARGET_NAME = "jaxspec_small_product"
 ATTENTION_TARGET_NAME = "jaxspec_cache_attention"
+GREEDY_HEAD_TARGET_NAME = "jaxspec_greedy_head"
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -103,6 +105,8 @@ def load_kernel() -> str | None:
         jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxspecSmallProduct), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET_NAME, jax.ffi.pycapsule(library.JaxspecCacheAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(GREEDY_HEAD_TARGET_NAME, jax.ffi.pycapsule(library.JaxspecGreedyHead),
+                                    platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"it could not be built or loaded: {e}"
     return None
@@ -112,6 +116,14 @@ def kernel_product(w: jax.Array, x: jax.Array) -> jax.Array:
     """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 16 -> f32[out, N]."""
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(w, x)
+
+
+def greedy_head(screen: jax.Array, rows: jax.Array, h: jax.Array, error: jax.Array) -> jax.Array:
+    """The argmax token of each position's logits rows @ h[n], by the kernel (which must be loaded), reading the
+    bfloat16 `screen` of the rows and only a few float32 rows (greedy_head.cc; `jaxspec.model.greedy_tokens`).
+    screen: bf16[V, d]; rows: f32[V, d]; h: f32[N, d] final-normed, 1 <= N <= 16; error: f32[] -> int32[N]."""
+    out = jax.ShapeDtypeStruct((h.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call(GREEDY_HEAD_TARGET_NAME, out, vmap_method="sequential")(screen, rows, h, error)
 
 
 def _time_chains(matrices, columns: int, repeats: int = 7) -> tuple[float, float]:
