@@ -101,9 +101,10 @@ def speculative_generate_tokens(
         with jax.named_scope("verify"):
             verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers, mesh,
                                           compute_logits=not screen)
+            best = greedy_tokens(weights, cfg, verification.last_hidden) if screen else None  # argmax [B, T+1]
         with jax.named_scope("accept"):
             if screen:
-                acc = accept_greedy(tree, greedy_tokens(weights, cfg, verification.last_hidden))  # argmax [B, T+1]
+                acc = accept_greedy(tree, best)
             else:
                 acc = verify_and_accept(tree, verification.logits, sampling,  # logits [B, T+1, V]
                                         jax.random.uniform(accept_key, (b, num_nodes)),
