@@ -7,7 +7,8 @@ What it measures, for each batch size (default 1 and 8):
   the prefill time (a 1-token generation) and ms per decode step ((total - prefill) / (new tokens - 1));
 * the memory-bandwidth bound: this machine's read bandwidth (best of a jitted `jnp.sum` and `np.add.reduce`
   over a 1 GiB float32 array) divided by the bytes of weights one decode step reads (every weight once, the
-  tied embedding once as LM head, plus one embedding row for the lookup; the KV cache is not counted). A step
+  tied embedding once as LM head, in bfloat16 where the CPU layout screens it, plus one embedding row for the
+  lookup; the KV cache is not counted). A step
   serves every row of the batch, so the bound on tokens/s at batch B is B times the batch-1 bound;
 * transformers + torch (when both import and --no-torch is not given): the same GGUF file through
   `AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)` on 2 torch threads
@@ -116,12 +117,18 @@ def measure_bandwidth() -> dict:
 
 
 def weight_bytes_per_step(loaded) -> int:
-    """Bytes of weights one decode step reads: all weights once, the input embedding only one row."""
+    """Bytes of weights one greedy decode step reads: all weights once, the input embedding only one row, and the LM
+    head as its bfloat16 screen where the layout in use has one (`jaxspec.model.greedy_tokens`: the CPU layout),
+    plus the float32 rows of its 8 candidates."""
+    from jaxspec.model import SCREEN_CANDIDATES, execution_weights
+
     cfg = loaded.config
     itemsize = jnp.dtype(loaded.weights.embed.dtype).itemsize
     embed = cfg.vocab_size * cfg.hidden_size
     # num_parameters counts a tied embedding once (read in full as LM head); an untied one is only looked up.
     params = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else embed) + cfg.hidden_size
+    if execution_weights(loaded.weights).head_screen is not None:  # the head read in bfloat16, not in full
+        return itemsize * params - (itemsize - 2) * embed + itemsize * SCREEN_CANDIDATES * cfg.hidden_size
     return itemsize * params
 
 
