@@ -40,7 +40,7 @@ from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.generate import decode_step
-from jaxspec.model import LAYERS_ENV, Weights, execution_weights
+from jaxspec.model import LAYERS_ENV, Weights, execution_weights, greedy_tokens
 from jaxspec.tree import DraftTree, chain_parents
 from jaxspec.verification import verify_forward
 
@@ -177,18 +177,20 @@ def device_name(dtype=None, layout: bool = True) -> str:
     return name if dtype is None else f"{name}-{jnp.dtype(dtype).name}"
 
 
-def _verify_logits(weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree):
-    """(logits [B, T+1, V], cache): the verification forward as the decoding loop runs it, cache updated in place;
-    with no drafted node (T = 0) the autoregressive decoding step instead (what plain decoding runs)."""
+def _verification(weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree):
+    """(the target's argmax at the root and every node, int32[B, T+1], cache): a verification at temperature 0 as the
+    decoding loop runs it (`greedy_tokens`: on the CPU layout from the LM head's bfloat16 screen), cache updated in
+    place; with no drafted node (T = 0) the autoregressive decoding step instead (what plain decoding runs). A
+    sampled round also makes the full logits: a few milliseconds more at every shape (SmolLM2 on 2 CPU cores: 3)."""
     if tree.tokens.shape[1] == 0:
-        logits, cache = decode_step(weights, cfg, root, cache, jnp.zeros_like(root, jnp.bool_))  # length kept
-        return logits[:, None], cache
-    out = verify_forward(weights, cfg, cache, root, tree)
-    return out.logits, out.cache
+        kept = jnp.zeros_like(root, jnp.bool_)  # lengths stay
+        best, cache = decode_step(weights, cfg, root, cache, kept, greedy=True)
+        return best[:, None], cache
+    out = verify_forward(weights, cfg, cache, root, tree, compute_logits=False)
+    return greedy_tokens(weights, cfg, out.last_hidden), out.cache
 
 
-# The cache is donated, as in the decoding loop: without donation XLA copies the whole cache every call.
-_verify_logits_jit = jax.jit(_verify_logits, static_argnames=("cfg",), donate_argnames=("cache",))
+_verification_jit = jax.jit(_verification, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
 def measure_cost_model(
@@ -203,8 +205,9 @@ def measure_cost_model(
     """Times the target's verification forward on this device for every batch size x token count.
 
     Each shape runs a chain tree of T = tokens - 1 nodes over a cache holding `context` tokens per row (one token:
-    the autoregressive decoding step), with the weights and the cache laid out as the decoding loops lay them out
-    (`execution_weights`: per-layer buffers under JAXSPEC_LAYERS=unstacked); one call per shape compiles (not timed),
+    the autoregressive decoding step), at temperature 0 (the argmaxes by `greedy_tokens`), with the weights and the
+    cache laid out as the decoding loops lay them out (`execution_weights`: per-layer buffers under
+    JAXSPEC_LAYERS=unstacked); one call per shape compiles (not timed),
     then the shapes of a batch size run in turn, one untimed round and `repeats` timed ones, and each shape's
     median is kept: a host whose speed drifts while it measures moves every shape alike, so the differences between
     token counts (what `--budget auto` weighs) stay true (timed shape after shape, with the median of 3, a drift of
@@ -244,15 +247,15 @@ def measure_cost_model(
                     parents=jnp.broadcast_to(jnp.asarray(chain_parents(num_nodes)), (b, num_nodes)),  # [B, T]
                     valid=jnp.ones((b, num_nodes), jnp.bool_),  # [B, T]
                 )
-                logits, cache = _verify_logits_jit(weights, cfg, cache, root, trees[tokens])  # compiles
-                jax.block_until_ready(logits)
+                best, cache = _verification_jit(weights, cfg, cache, root, trees[tokens])  # compiles
+                jax.block_until_ready(best)
                 bar.update(1)
             times = {tokens: [] for tokens in trees}
             for repeat in range(repeats + 1):  # the shapes in turn, so that a drifting host moves them alike
                 for tokens, tree in trees.items():
                     start = time.perf_counter()
-                    logits, cache = _verify_logits_jit(weights, cfg, cache, root, tree)
-                    jax.block_until_ready(logits)
+                    best, cache = _verification_jit(weights, cfg, cache, root, tree)
+                    jax.block_until_ready(best)
                     if repeat > 0:  # the first round warms up (it ran slow right after compiling)
                         times[tokens].append(time.perf_counter() - start)
             seconds.append([statistics.median(times[t]) if t in times else None for t in token_counts])

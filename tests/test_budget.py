@@ -357,13 +357,13 @@ def test_measure_times_the_layout_the_decoding_loops_run(tiny_llama3, monkeypatc
 
     _, model, _ = tiny_llama3
     seen = []
-    real = budget._verify_logits_jit
+    real = budget._verification_jit
 
     def recording(weights, cfg, cache, root, tree):
         seen.append((isinstance(weights.layers, tuple), cache.per_layer, tree.tokens.shape[1]))
         return real(weights, cfg, cache, root, tree)
 
-    monkeypatch.setattr(budget, "_verify_logits_jit", recording)
+    monkeypatch.setattr(budget, "_verification_jit", recording)
     for layout in ("stacked", "unstacked"):
         seen.clear()
         with layers_layout(layout):
