@@ -1,4 +1,6 @@
-"""A CPU kernel XLA lacks: the product of a weight matrix with a few columns, reading the weight once.
+"""CPU kernels XLA lacks: the product of a weight matrix with a few columns, reading the weight once (below);
+attention over each row's cache up to its length (`cache_attention`); the greedy token from a bfloat16 copy of
+the LM head (`greedy_head`).
 
 On CPU a decoding step multiplies every weight matrix with one column, which XLA runs as a matrix-vector loop at
 about the memory bandwidth; a verification of 2-16 tokens multiplies it with 2-16 columns, which XLA:CPU hands to a
