@@ -651,7 +651,8 @@ def head_screen(weights: Weights) -> HeadScreen | None:
     """The bfloat16 screen of a float32 output matrix (`HeadScreen`), its error bound computed in float64; None for
     other dtypes, off CPU, or where the few-column kernel is off ($JAXSPEC_SMALL_PRODUCT=off, or it cannot build)."""
     rows = output_matrix(weights)  # [V, d]
-    if rows.dtype != jnp.float32 or jax.default_backend() != "cpu" or not small_product_columns():
+    if (rows.dtype != jnp.float32 or rows.shape[0] <= SCREEN_CANDIDATES or jax.default_backend() != "cpu"
+            or not small_product_columns()):
         return None
     matrix = rows.astype(jnp.bfloat16)  # [V, d]
     rounding = norm = 0.0  # max over rows of ||matrix_v - E_v||^2 and of ||E_v||^2, ||matrix_v||^2

@@ -197,8 +197,12 @@ def _field_spec(owner: str, name: str, value, axes: Mapping[str, tuple[str, ...]
 def weight_specs(weights: Weights) -> Weights:
     """A `Weights` pytree of PartitionSpecs mirroring `weights` (fields that are None stay None).
 
-    `weights` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`); only ranks are read.
+    `weights` may hold arrays or `jax.ShapeDtypeStruct`s (e.g. from `jax.eval_shape`); only ranks are read. The CPU
+    layout's `head_screen` (`jaxspec.model.execution_weights`, one device only) has no place on a mesh.
     """
+    if weights.head_screen is not None:
+        raise ValueError("weights with a head_screen are the single-device CPU layout (execution_weights); place the "
+                         "loaded weights on a mesh instead.")
     layers = LayerWeights(
         **{
             f.name: _field_spec("LayerWeights", f.name, getattr(weights.layers, f.name), LAYER_WEIGHT_AXES)

@@ -179,6 +179,7 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::
     float best = -std::numeric_limits<float>::infinity();
     int32_t best_id = -1;
     for (int k = 0; k < kCandidates; ++k) {
+      if (merged.id[k] < 0) continue;  // fewer scores than candidates were offered (NaN scores are never kept)
       const float s = exact_dot(e + int64_t(merged.id[k]) * d, hn, d);
       if (s > best || (s == best && merged.id[k] < best_id)) {
         best = s;
