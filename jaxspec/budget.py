@@ -190,6 +190,7 @@ def _verification(weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.
     return greedy_tokens(weights, cfg, out.last_hidden), out.cache
 
 
+# The cache is donated, as in the decoding loop: without donation XLA copies the whole cache every call.
 _verification_jit = jax.jit(_verification, static_argnames=("cfg",), donate_argnames=("cache",))
 
 

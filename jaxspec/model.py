@@ -31,6 +31,7 @@ from jaxspec.gated_delta import (
     tree_gated_delta,
 )
 from jaxspec.kernels import (
+    MAX_COLUMNS,
     cache_attention,
     cache_attention_enabled,
     feature_major_product,
@@ -98,6 +99,9 @@ class Weights:
     final_norm: jax.Array  # [d]
     lm_head: jax.Array | None = None  # [d, V]
     head_screen: HeadScreen | None = None  # the CPU layout's bfloat16 copy of the output matrix (`greedy_tokens`)
+
+
+SCREEN_CANDIDATES = 8  # tokens the greedy head scores in float32 per position (kCandidates in greedy_head.cc)
 
 
 @jax.tree_util.register_dataclass
@@ -773,9 +777,6 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
     return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
-SCREEN_CANDIDATES = 8  # tokens the greedy head scores in float32 per position (kCandidates in greedy_head.cc)
-
-
 def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """The argmax of `lm_head(weights, cfg, x)` over the vocabulary (the lowest id among equal maxima): x: [B, T, d]
     residual stream -> int32[B, T].
@@ -787,7 +788,7 @@ def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array
     token's float32 logit decides. Sampling needs the full logits and does not come here."""
     b, t, d = x.shape
     screen = weights.head_screen
-    if screen is None or b * t > 16:  # the kernel's limit; beyond it the head's product is compute-bound anyway
+    if screen is None or b * t > MAX_COLUMNS:  # the kernel's limit; beyond it the head's product is compute-bound
         return jnp.argmax(lm_head(weights, cfg, x), axis=-1).astype(jnp.int32)
     h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps).reshape(b * t, d)  # [N, d]
     return greedy_head(screen.matrix, output_matrix(weights), h, screen.error).reshape(b, t)

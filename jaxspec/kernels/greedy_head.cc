@@ -9,7 +9,7 @@
 // 2. The kCandidates best of each position scored again from their float32 rows by exact_dot.
 // 3. The best of those is the answer when the next screened logit plus error * ||h[n]||_2 stays below it: `error`
 //    bounds |screened - exact| per unit ||h|| for every token (jaxspec.model.HeadScreen), so no token outside the
-//    candidates can reach it. Otherwise every row is scored by exact_dot for that position (rare: the tenth-best
+//    candidates can reach it. Otherwise every row is scored by exact_dot for that position (rare: the ninth-best
 //    logit within about one logit of the best).
 #include <algorithm>
 #include <atomic>
