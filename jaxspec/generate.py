@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache, commit_recurrent, init_cache, replace_rows
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, execution_weights, greedy_tokens, lm_head
-from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
+from jaxspec.model import Weights, execution_weights, greedy_tokens, lm_head, output_matrix
+from jaxspec.sampling import GREEDY, SamplingConfig, draws_by_argmax, gumbel_noise, sample_token
 from jaxspec.sharding import forward_on_mesh, place_inputs, to_host
 
 PAD = -1  # emitted after a row's EOS
@@ -65,13 +65,16 @@ def prefill(weights: Weights, cfg: ModelConfig, tokens: jax.Array, prompt_length
 
 
 def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVCache, advance: jax.Array,
-                mesh: Mesh | None = None, hidden_layers: tuple[int, ...] = (), greedy: bool = False):
+                mesh: Mesh | None = None, hidden_layers: tuple[int, ...] = (), greedy: bool = False,
+                noise: jax.Array | None = None):
     """Feeds one token per row at position lengths[b]; returns (logits [B, V], cache), and with `hidden_layers`
     also the residual stream after those layers at the fed token, [n, B, d]: (logits, cache, hidden).
 
     token: int32[B]; advance: bool[B], rows whose cache length moves on (finished rows stay put).
     greedy: return each row's next token, the argmax int32[B], in place of the logits (`greedy_tokens`, which on
         CPU finds it from the bfloat16 screen of the LM head).
+    noise: float32[B, V] added to the logits before that argmax: with temperature x Gumbel noise
+        (`jaxspec.sampling.gumbel_noise`) the token is a draw at that temperature.
     """
     screen = greedy and mesh is None
     out = forward_on_mesh(mesh, weights, cfg, token[:, None], cache.lengths[:, None], cache,
@@ -79,9 +82,10 @@ def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVC
     cache = dataclasses.replace(out.cache, lengths=cache.lengths + advance.astype(jnp.int32))
     cache = commit_recurrent(cache, out.pending, jnp.zeros_like(token)[:, None], advance.astype(jnp.int32))
     if screen:
-        scores = greedy_tokens(weights, cfg, out.last_hidden)[:, 0]  # [B]
+        scores = greedy_tokens(weights, cfg, out.last_hidden, None if noise is None else noise[:, None])[:, 0]  # [B]
     elif greedy:
-        scores = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
+        logits = out.logits[:, 0] if noise is None else out.logits[:, 0] + noise  # [B, V]
+        scores = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
     else:
         scores = out.logits[:, 0]  # [B, V]
     if hidden_layers:
@@ -91,18 +95,42 @@ def decode_step(weights: Weights, cfg: ModelConfig, token: jax.Array, cache: KVC
 
 def _decode_keeping_features(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVCache, done: jax.Array,
                              features: jax.Array | None, mesh: Mesh | None, hidden_layers: tuple[int, ...],
-                             hidden_dtype, greedy: bool = False):
+                             hidden_dtype, greedy: bool = False, noise: jax.Array | None = None):
     """A decoding step of the rows not `done` (bool[B]) that also stores, with `hidden_layers`, the residual stream
     after those layers at the fed token `last` (int32[B]) in `features` [n, B, S, d] (the bits of hidden_dtype) at the
-    token's position. Returns (logits [B, V], or with `greedy` the next tokens int32[B], cache, features)."""
+    token's position. Returns (logits [B, V], or with `greedy` the next tokens int32[B], cache, features); greedy and
+    noise as `decode_step`'s."""
     if not hidden_layers:
-        logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh, greedy=greedy)
+        logits, cache = decode_step(weights, cfg, last, cache, ~done, mesh, greedy=greedy, noise=noise)
         return logits, cache, features
     position = cache.lengths  # [B]: where `last` goes
-    logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers, greedy=greedy)
+    logits, cache, hidden = decode_step(weights, cfg, last, cache, ~done, mesh, hidden_layers, greedy=greedy,
+                                        noise=noise)
     where = jnp.where(done, features.shape[2], position)  # finished rows write out of range, which is dropped
     rows = jnp.arange(last.shape[0])
     return logits, cache, features.at[:, rows, where].set(_to_bits(hidden, hidden_dtype), mode="drop")
+
+
+def _decode_next(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVCache, done: jax.Array,
+                 features: jax.Array | None, mesh: Mesh | None, hidden_layers: tuple[int, ...], hidden_dtype,
+                 keys: jax.Array, sampling: SamplingConfig):
+    """`_decode_keeping_features` and each row's next token int32[B]: the argmax when greedy; with a temperature alone,
+    the argmax of logits + temperature x Gumbel noise (`draws_by_argmax`: no full logits, on CPU the LM head's
+    bfloat16 screen); with top-k or top-p, a draw from the filtered logits. keys: one PRNG key for the step, or one
+    per row [B] (continuous batching: a row's draws do not depend on its batch). Returns (tokens, cache, features)."""
+    by_argmax = draws_by_argmax(sampling)
+    vocab = output_matrix(weights).shape[0]
+    noise = None
+    if by_argmax and not sampling.greedy:
+        noise = (gumbel_noise(keys, (last.shape[0], vocab), sampling) if keys.ndim == 0 else
+                 jax.vmap(lambda k: gumbel_noise(k, (vocab,), sampling))(keys))  # [B, V]
+    scores, cache, features = _decode_keeping_features(weights, cfg, last, cache, done, features, mesh, hidden_layers,
+                                                       hidden_dtype, greedy=by_argmax, noise=noise)
+    if by_argmax:
+        return scores, cache, features
+    if keys.ndim == 0:
+        return sample_token(keys, scores, sampling), cache, features
+    return jax.vmap(lambda k, row: sample_token(k, row[None], sampling)[0])(keys, scores), cache, features
 
 
 def _prompt_feature_bits(hidden: jax.Array, prompt_lengths: jax.Array, hidden_dtype) -> jax.Array:
@@ -178,9 +206,8 @@ def generate_tokens(
 
     def body(state):
         step, cache, out, last, done, features = state
-        scores, cache, features = _decode_keeping_features(weights, cfg, last, cache, done, features, mesh,
-                                                           hidden_layers, hidden_dtype, sampling.greedy)
-        new = scores if sampling.greedy else sample_token(jax.random.fold_in(rng, step), scores, sampling)  # [B]
+        new, cache, features = _decode_next(weights, cfg, last, cache, done, features, mesh, hidden_layers,
+                                            hidden_dtype, jax.random.fold_in(rng, step), sampling)  # [B]
         new = jnp.where(done, PAD, new)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
         return step + 1, cache, out, jnp.maximum(new, 0), done | _is_eos(new, eos_ids), features
@@ -193,8 +220,15 @@ def generate_tokens(
 
 
 _prefill_jit = jax.jit(prefill, static_argnames=("cfg",), donate_argnames=("cache",))
-_decode_step_jit = jax.jit(decode_step, static_argnames=("cfg", "greedy"), donate_argnames=("cache",))
 _sample_jit = jax.jit(sample_token)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _stream_step(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVCache, done: jax.Array, key: jax.Array,
+                 sampling: SamplingConfig):
+    """`stream_generate`'s step: (next tokens int32[B], cache), as `generate_tokens`' loop body draws them."""
+    new, cache, _ = _decode_next(weights, cfg, last, cache, done, None, None, (), None, key, sampling)
+    return new, cache
 
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -372,8 +406,8 @@ def stream_generate(
     done = np.zeros(len(batch.lengths), bool)
     for step in range(max_new_tokens):
         if step > 0:
-            scores, cache = _decode_step_jit(weights, cfg, last, cache, jnp.asarray(~done), greedy=sampling.greedy)
-            last = scores if sampling.greedy else _sample_jit(jax.random.fold_in(rng, step), scores, sampling)
+            last, cache = _stream_step(weights, cfg, last, cache, jnp.asarray(done), jax.random.fold_in(rng, step),
+                                       sampling)
         tokens = np.where(done, PAD, np.asarray(last))
         yield tokens
         done |= np.isin(tokens, eos)
@@ -404,13 +438,18 @@ class RowsState:
     features: jax.Array | None  # [n, B, S, d], unsigned integers holding hidden_dtype bits
 
 
+def _row_keys(rng: jax.Array, sample: jax.Array, count: jax.Array) -> jax.Array:
+    """[B] PRNG keys fixed by (rng, each row's prompt index, its token index), so a row's answer does not depend on
+    which rows it shares the batch with."""
+    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(rng, s), c))(sample, count)
+
+
 def _sample_rows(rng: jax.Array, sample: jax.Array, count: jax.Array, logits: jax.Array,
                  sampling: SamplingConfig) -> jax.Array:
-    """int32[B]: each row's next token, drawn with a key fixed by (rng, its prompt index, its token index), so a row's
-    answer does not depend on which rows it shares the batch with. logits: [B, V]."""
+    """int32[B]: each row's next token from logits [B, V], drawn with its `_row_keys` key."""
     if sampling.greedy:
         return sample_token(rng, logits, sampling)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(rng, s), c))(sample, count)  # [B]
+    keys = _row_keys(rng, sample, count)  # [B]
     return jax.vmap(lambda k, row: sample_token(k, row[None], sampling)[0])(keys, logits)
 
 
@@ -459,9 +498,8 @@ def _continue_rows(weights: Weights, cfg: ModelConfig, state: RowsState, rng: ja
 
     def body(carry):
         step, s = carry
-        scores, cache, features = _decode_keeping_features(weights, cfg, s.last, s.cache, s.done, s.features, None,
-                                                           hidden_layers, hidden_dtype, sampling.greedy)
-        new = scores if sampling.greedy else _sample_rows(rng, s.sample, s.count, scores, sampling)  # [B]
+        new, cache, features = _decode_next(weights, cfg, s.last, s.cache, s.done, s.features, None, hidden_layers,
+                                            hidden_dtype, _row_keys(rng, s.sample, s.count), sampling)  # [B]
         new = jnp.where(s.done, PAD, new)
         out = s.out.at[rows, jnp.where(s.done, n, s.count)].set(new, mode="drop")
         count = s.count + (~s.done).astype(jnp.int32)

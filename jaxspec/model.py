@@ -777,21 +777,24 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
     return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
-def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """The argmax of `lm_head(weights, cfg, x)` over the vocabulary (the lowest id among equal maxima): x: [B, T, d]
-    residual stream -> int32[B, T].
+def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array, noise: jax.Array | None = None) -> jax.Array:
+    """The argmax of `lm_head(weights, cfg, x)` (+ `noise` when given) over the vocabulary (the lowest id among equal
+    maxima): x: [B, T, d] residual stream, noise: float32[B, T, V] or None -> int32[B, T]. With noise = temperature
+    x Gumbel noise (`jaxspec.sampling.gumbel_noise`) the argmax is a sample of softmax(logits / temperature).
 
     With a `HeadScreen` (the CPU layout, at most 16 positions) the kernel `jaxspec.kernels.greedy_head` reads the
     bfloat16 copy instead of the float32 matrix: screened logits for every token, the SCREEN_CANDIDATES best scored
     again in float32 from their rows, and the best of those is the argmax whenever the next screened logit plus the
     screen's error bound stays below it (then no other token can reach it); where that is not certain, every
-    token's float32 logit decides. Sampling needs the full logits and does not come here."""
+    token's float32 logit decides. The noise goes with each logit through all three."""
     b, t, d = x.shape
     screen = weights.head_screen
     if screen is None or b * t > MAX_COLUMNS:  # the kernel's limit; beyond it the head's product is compute-bound
-        return jnp.argmax(lm_head(weights, cfg, x), axis=-1).astype(jnp.int32)
+        logits = lm_head(weights, cfg, x)  # [B, T, V]
+        return jnp.argmax(logits if noise is None else logits + noise, axis=-1).astype(jnp.int32)
     h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps).reshape(b * t, d)  # [N, d]
-    return greedy_head(screen.matrix, output_matrix(weights), h, screen.error).reshape(b, t)
+    flat_noise = None if noise is None else noise.reshape(b * t, -1).astype(jnp.float32)  # [N, V]
+    return greedy_head(screen.matrix, output_matrix(weights), h, screen.error, flat_noise).reshape(b, t)
 
 
 # ---------------------------------------------------------------------------------------------- forward

@@ -246,6 +246,20 @@ def target_probs(logits: jax.Array, sampling: SamplingConfig, vocab_axis: str | 
     return jnp.exp(process_logits(logits, sampling, vocab_axis))
 
 
+def draws_by_argmax(sampling: SamplingConfig) -> bool:
+    """Whether a token under `sampling` can be drawn as the argmax of logits + `gumbel_noise` (static): greedy (no
+    noise), or a temperature alone (the Gumbel-max rule: argmax(logits + T g), g standard Gumbel for every token, is
+    a draw from softmax(logits / T)). Not with top-k or top-p, whose kept set needs every logit."""
+    return not (sampling.filters_top_k or sampling.filters_top_p)
+
+
+def gumbel_noise(rng: jax.Array, shape: tuple[int, ...], sampling: SamplingConfig) -> jax.Array | None:
+    """temperature x standard Gumbel noise, float32[shape] ([..., V]), for `draws_by_argmax`; None when greedy."""
+    if sampling.greedy:
+        return None
+    return sampling.temperature * jax.random.gumbel(rng, shape, jnp.float32)
+
+
 def sample_token(rng: jax.Array, logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
     """logits: [B, V] -> int32[B], argmax when greedy, else a draw from p."""
     if sampling.greedy:

@@ -24,8 +24,8 @@ from jaxspec.cache import commit_positions, commit_recurrent, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
-from jaxspec.model import Weights, greedy_tokens
-from jaxspec.sampling import GREEDY, SamplingConfig, sample_token
+from jaxspec.model import Weights, greedy_tokens, output_matrix
+from jaxspec.sampling import GREEDY, SamplingConfig, draws_by_argmax, gumbel_noise, sample_token
 from jaxspec.sharding import place_inputs, replicate_on_mesh, to_host
 from jaxspec.verification import accept_greedy, verify_and_accept, verify_forward
 
@@ -97,13 +97,19 @@ def speculative_generate_tokens(
                              root=root)
         with jax.named_scope("draft"):
             tree, state, cache = drafter.propose(drafter_params, state, inputs, cfg, sampling, draft_key)
-        screen = sampling.greedy and mesh is None  # the argmaxes alone decide: `greedy_tokens`, no full logits
+        # The target's own token at the root and at every node decides (`accept_greedy`), with no full logits
+        # (`greedy_tokens`): its argmax at T=0; with a temperature alone and deterministic drafts, its draw by the
+        # Gumbel-max rule, which accepts a child exactly when the target drew that child's token: child x with
+        # probability p(x), the bonus from p without the children tried, the rule of `accept` for point masses.
+        by_draw = mesh is None and (sampling.greedy or (draws_by_argmax(sampling) and tree.draft_probs is None))
         with jax.named_scope("verify"):
             verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers, mesh,
-                                          compute_logits=not screen)
-            best = greedy_tokens(weights, cfg, verification.last_hidden) if screen else None  # argmax [B, T+1]
+                                          compute_logits=not by_draw)
+            if by_draw:
+                noise = gumbel_noise(accept_key, (b, width, output_matrix(weights).shape[0]), sampling)  # [B, T+1, V]
+                best = greedy_tokens(weights, cfg, verification.last_hidden, noise)  # [B, T+1]
         with jax.named_scope("accept"):
-            if screen:
+            if by_draw:
                 acc = accept_greedy(tree, best)
             else:
                 acc = verify_and_accept(tree, verification.logits, sampling,  # logits [B, T+1, V]

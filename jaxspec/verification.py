@@ -12,6 +12,10 @@ On rejection r <- norm(max(0, r - q)). When no child is accepted, the bonus toke
   the target's argmax and the bonus is the argmax. `accept_greedy` computes that outcome from the argmaxes alone
   (the general rule's vector work over the vocabulary cost a CPU round 1.0 ms at 1 node, 3.0 ms at 16);
   tests/test_lossless.py checks it equals `accept` on point masses.
+- Deterministic children at a temperature alone: the target's own draw y ~ p at the current node (by the Gumbel-max
+  rule, `jaxspec.sampling.gumbel_noise`) accepts the child whose token is y, else y is the bonus: child x with
+  probability p(x), the bonus from p without the children tried, as above; so `accept_greedy` on the draws at the
+  root and every node (independent draws) is the rule, and no full logits are needed (the speculative loop does this).
 
 All randomness comes in as uniforms, so the rule is a deterministic function of them; tests integrate over the
 uniforms exactly.

@@ -377,3 +377,45 @@ def test_greedy_acceptance_equals_the_rule_on_point_masses(with_q):
     # and verify_and_accept takes the greedy path at temperature 0 with the same outcome
     both = verification.verify_and_accept(tree, logits, greedy, jnp.zeros((b, t)), jnp.zeros((b,)))
     np.testing.assert_array_equal(np.asarray(both.tokens), np.asarray(rule.tokens))
+
+
+def _draw_block_distribution(parents, kinds, sampling, shared_draw=False):
+    """Exact distribution of one round's emitted block when deterministic children are checked against the target's
+    own draws (the speculative loop at a temperature alone): `accept_greedy` on y_0..y_T, y_j ~ p at the root and at
+    node j independently, every combination enumerated with its probability. shared_draw: one y for every node (a
+    broken rule, for the check below)."""
+    ((tokens, q, prob),) = _draft_outcomes(parents, kinds, sampling)
+    assert q is None and prob == 1.0
+    t = len(parents)
+    p = np.asarray(_node_probs_jit(jnp.asarray(tokens[None], jnp.int32), jnp.asarray([parents], jnp.int32),
+                                   sampling), np.float64)[0]  # [T+1, V]
+    draws = [(y,) * (t + 1) for y in range(V)] if shared_draw else list(itertools.product(range(V), repeat=t + 1))
+    weights = [p[0, y[0]] if shared_draw else np.prod([p[j, y[j]] for j in range(t + 1)]) for y in draws]
+    n = len(draws)
+    tree = DraftTree(tokens=jnp.broadcast_to(jnp.asarray(tokens, jnp.int32), (n, t)),
+                     parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (n, t)), valid=jnp.ones((n, t), bool))
+    acc = verification.accept_greedy(tree, jnp.asarray(draws, jnp.int32))
+    blocks = {}
+    for block, count, w in zip(np.asarray(acc.tokens), np.asarray(acc.num_accepted), weights):
+        key = tuple(int(x) for x in block[: count + 1])
+        blocks[key] = blocks.get(key, 0.0) + w
+    return blocks
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=2.5)],
+                         ids=lambda s: f"T{s.temperature}")
+def test_deterministic_children_checked_against_the_targets_draws_give_the_rules_distribution(sampling):
+    """Deterministic (top-k) children accepted when the target's own draw at their parent is their token, the draw
+    the bonus otherwise (`accept_greedy` on draws, as the speculative loop runs a temperature alone): the emitted
+    block has exactly the distribution of the acceptance rule (`accept`, integrated over its uniforms), and the
+    round's output that of the target. Drawing once for all nodes instead is caught."""
+    parents, kinds = [-1, -1, 0], [0, 1, 0]
+    rule = _block_distribution(parents, kinds, sampling)
+    drawn = _draw_block_distribution(parents, kinds, sampling)
+    assert abs(sum(drawn.values()) - 1) < 1e-6 and len(drawn) > 4
+    assert max(abs(drawn.get(k, 0.0) - rule.get(k, 0.0)) for k in set(drawn) | set(rule)) < 1e-6
+    table = _target_sequence_table(3, sampling)
+    spec = _speculative_sequence_distribution(drawn, table, 3)
+    assert max(abs(spec[y] - table[3][y]) for y in table[3]) < 2e-6
+    shared = _draw_block_distribution(parents, kinds, sampling, shared_draw=True)
+    assert max(abs(shared.get(k, 0.0) - rule.get(k, 0.0)) for k in set(shared) | set(rule)) > 1e-4  # 100x the check

@@ -247,6 +247,32 @@ def test_greedy_tokens_through_the_bfloat16_screen_are_the_float32_argmax(tiny_l
     np.testing.assert_array_equal(np.asarray(got), expected)
 
 
+def test_greedy_tokens_with_noise_are_the_argmax_of_the_noisy_float32_logits(tiny_llama3):
+    """With noise (temperature x Gumbel noise: a draw at that temperature) the screened path gives the argmax of the
+    float32 logits + noise, certified or not (an error bound too wide to certify anything), as the path without a
+    screen does; noise that flips the winner is followed."""
+    from jaxspec.model import greedy_tokens, head_screen, lm_head
+    from jaxspec.sampling import SamplingConfig, gumbel_noise
+
+    _, model, _ = tiny_llama3
+    cfg, w = model.config, model.weights
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 5, cfg.hidden_size)), jnp.float32)  # [B, T, d]
+    logits = np.asarray(lm_head(w, cfg, x))  # [B, T, V]
+    screen = head_screen(w)
+    step = jax.jit(greedy_tokens, static_argnums=1)
+    for i, temperature in enumerate((0.3, 1.0, 4.0)):
+        noise = gumbel_noise(jax.random.key(i), logits.shape, SamplingConfig(temperature=temperature))  # [B, T, V]
+        expected = np.argmax(logits + np.asarray(noise), axis=-1)  # [B, T]
+        for use in (None, screen, dataclasses.replace(screen, error=jnp.float32(1e6))):
+            got = step(dataclasses.replace(w, head_screen=use), cfg, x, noise)
+            np.testing.assert_array_equal(np.asarray(got), expected)
+    flip = np.zeros(logits.shape, np.float32)
+    flip[0, 0, 7] = logits[0, 0].max() - logits[0, 0, 7] + 1.0  # token 7 now leads position (0, 0) by one logit
+    got = step(dataclasses.replace(w, head_screen=screen), cfg, x, jnp.asarray(flip))
+    assert int(got[0, 0]) == 7 and np.array_equal(np.asarray(got)[1], np.argmax(logits, axis=-1)[1])
+
+
 def test_greedy_tokens_on_smollm2_certify_the_argmax_along_a_real_answer(smollm2, smollm2_reference):
     """On SmolLM2's real output matrix (49,152 tokens, tied): the screen's error bound is tight enough that most
     positions of a real answer are certified from the bfloat16 copy, and every position's token is the float32

@@ -1,6 +1,6 @@
 """CPU kernels XLA lacks: the product of a weight matrix with a few columns, reading the weight once (below);
 attention over each row's cache up to its length (`cache_attention`); the greedy token from a bfloat16 copy of
-the LM head (`greedy_head`).
+the LM head (`greedy_head`), also with noise added to the logits (a sample by the Gumbel-max rule).
 
 On CPU a decoding step multiplies every weight matrix with one column, which XLA runs as a matrix-vector loop at
 about the memory bandwidth; a verification of 2-16 tokens multiplies it with 2-16 columns, which XLA:CPU hands to a
@@ -44,6 +44,7 @@ ATTENTION_ENV = "JAXSPEC_CACHE_ATTENTION"  # "off": XLA's attention over the cac
 TARGET_NAME = "jaxspec_small_product"
 ATTENTION_TARGET_NAME = "jaxspec_cache_attention"
 GREEDY_HEAD_TARGET_NAME = "jaxspec_greedy_head"
+SAMPLED_HEAD_TARGET_NAME = "jaxspec_sampled_head"
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -109,6 +110,8 @@ def load_kernel() -> str | None:
                                     platform="cpu")
         jax.ffi.register_ffi_target(GREEDY_HEAD_TARGET_NAME, jax.ffi.pycapsule(library.JaxspecGreedyHead),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(SAMPLED_HEAD_TARGET_NAME, jax.ffi.pycapsule(library.JaxspecSampledHead),
+                                    platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"it could not be built or loaded: {e}"
     return None
@@ -120,12 +123,16 @@ def kernel_product(w: jax.Array, x: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(w, x)
 
 
-def greedy_head(screen: jax.Array, rows: jax.Array, h: jax.Array, error: jax.Array) -> jax.Array:
-    """The argmax token of each position's logits rows @ h[n], by the kernel (which must be loaded), reading the
-    bfloat16 `screen` of the rows and only a few float32 rows (greedy_head.cc; `jaxspec.model.greedy_tokens`).
-    screen: bf16[V, d]; rows: f32[V, d]; h: f32[N, d] final-normed, 1 <= N <= 16; error: f32[] -> int32[N]."""
+def greedy_head(screen: jax.Array, rows: jax.Array, h: jax.Array, error: jax.Array,
+                noise: jax.Array | None = None) -> jax.Array:
+    """The argmax token of each position's logits rows @ h[n] (plus noise[n] when given), by the kernel (which must be
+    loaded), reading the bfloat16 `screen` of the rows and only a few float32 rows (greedy_head.cc;
+    `jaxspec.model.greedy_tokens`). screen: bf16[V, d]; rows: f32[V, d]; h: f32[N, d] final-normed, 1 <= N <= 16;
+    error: f32[]; noise: f32[N, V] or None -> int32[N]."""
     out = jax.ShapeDtypeStruct((h.shape[0],), jnp.int32)
-    return jax.ffi.ffi_call(GREEDY_HEAD_TARGET_NAME, out, vmap_method="sequential")(screen, rows, h, error)
+    if noise is None:
+        return jax.ffi.ffi_call(GREEDY_HEAD_TARGET_NAME, out, vmap_method="sequential")(screen, rows, h, error)
+    return jax.ffi.ffi_call(SAMPLED_HEAD_TARGET_NAME, out, vmap_method="sequential")(screen, rows, h, error, noise)
 
 
 def _time_chains(matrices, columns: int, repeats: int = 7) -> tuple[float, float]:

@@ -4,12 +4,16 @@
 //   screen: bf16[V, d] (E rounded), rows: f32[V, d] (E), h: f32[N, d] (final-normed, N <= 16), error: f32[]
 //   -> tokens: s32[N], for each position n the token v with the largest exact_dot(rows[v], h[n]), the lowest v on ties.
 //
+// JaxspecSampledHead takes one more input, noise: f32[N, V], added to every logit before the argmax (temperature
+// times Gumbel noise: the argmax is then a sample of softmax(logits / temperature); jaxspec.sampling.gumbel_noise).
+//
 // 1. Every screen row times every position (bfloat16 widened in registers), the rows split over XLA's intra-op pool;
 //    each task keeps, per position, the kCandidates + 1 best screened logits it has seen.
 // 2. The kCandidates best of each position scored again from their float32 rows by exact_dot.
 // 3. The best of those is the answer when the next screened logit plus error * ||h[n]||_2 stays below it: `error`
 //    bounds |screened - exact| per unit ||h|| for every token (jaxspec.model.HeadScreen), so no token outside the
-//    candidates can reach it. Otherwise every row is scored by exact_dot for that position (rare: the ninth-best
+//    candidates can reach it (with noise, the same holds for logit + noise, less a few units in the last place of
+//    the sums, which the comparison leaves room for). Otherwise every row is scored by exact_dot for that position (rare: the ninth-best
 //    logit within about one logit of the best).
 #include <algorithm>
 #include <atomic>
@@ -109,6 +113,7 @@ constexpr RowScreen kRowScreens[kGroup + 1] = {nullptr, screen_row<1>, screen_ro
 struct Work {
   const uint16_t* screen;
   const float* hs;  // [N, d], each position in screen order
+  const float* noise;  // [N, V] added to the logits, or nullptr
   int64_t d, vocab, positions, chunks;
   std::vector<Best> best;  // [tasks, N]: each task's own lists
   std::atomic<int64_t> next{0}, done{0}, tasks{0};
@@ -124,15 +129,18 @@ struct Work {
           const int64_t group = std::min<int64_t>(kGroup, positions - n0);
           kRowScreens[group](screen + v * d, hs + n0 * d, d, scores + n0);
         }
-        for (int64_t n = 0; n < positions; ++n) mine[n].offer(scores[n], static_cast<int32_t>(v));
+        for (int64_t n = 0; n < positions; ++n) {
+          mine[n].offer(noise ? scores[n] + noise[n * vocab + v] : scores[n], static_cast<int32_t>(v));
+        }
       }
       done.fetch_add(1, std::memory_order_release);  // publishes this chunk's offers with it
     }
   }
 };
 
-ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::Buffer<ffi::F32> rows,
-                      ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> error, ffi::ResultBuffer<ffi::S32> tokens) {
+// The argmax of exact_dot(rows[v], h[n]) + noise[n, v] (noise nullptr: + 0) for each position n.
+ffi::Error HeadArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::Buffer<ffi::F32> rows,
+                      ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> error, const float* noise, int32_t* out) {
   const auto s_dims = screen.dimensions(), r_dims = rows.dimensions(), h_dims = h.dimensions();
   if (s_dims.size() != 2 || r_dims.size() != 2 || h_dims.size() != 2 || s_dims[0] != r_dims[0] ||
       s_dims[1] != r_dims[1] || h_dims[1] != s_dims[1] || error.element_count() != 1) {
@@ -156,6 +164,7 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::
   auto work = std::make_shared<Work>();
   work->screen = reinterpret_cast<const uint16_t*>(screen.untyped_data());
   work->hs = hs.data();
+  work->noise = noise;
   work->d = d;
   work->vocab = vocab;
   work->positions = positions;
@@ -167,8 +176,8 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::
 
   const float* e = rows.typed_data();
   const double bound = static_cast<double>(error.typed_data()[0]);
-  int32_t* out = tokens->typed_data();
   for (int64_t n = 0; n < positions; ++n) {
+    const float* gn = noise ? noise + n * vocab : nullptr;  // [V] or nullptr
     Best merged;
     merged.clear();
     for (int64_t t = 0; t <= helpers; ++t) {
@@ -180,7 +189,8 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::
     int32_t best_id = -1;
     for (int k = 0; k < kCandidates; ++k) {
       if (merged.id[k] < 0) continue;  // fewer scores than candidates were offered (NaN scores are never kept)
-      const float s = exact_dot(e + int64_t(merged.id[k]) * d, hn, d);
+      float s = exact_dot(e + int64_t(merged.id[k]) * d, hn, d);
+      if (gn) s += gn[merged.id[k]];
       if (s > best || (s == best && merged.id[k] < best_id)) {
         best = s;
         best_id = merged.id[k];
@@ -188,11 +198,14 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::
     }
     double norm = 0.0;
     for (int64_t i = 0; i < d; ++i) norm += double(hn[i]) * double(hn[i]);
-    if (!(double(merged.score[kCandidates]) + bound * std::sqrt(norm) < double(best))) {  // not certain: all rows
+    const double next = merged.score[kCandidates];  // the best screened (+ noise) score left out
+    const double rounding = gn ? 0x1p-22 * (std::fabs(next) + std::fabs(double(best))) : 0.0;  // of the + noise
+    if (!(next + bound * std::sqrt(norm) + rounding < double(best))) {  // not certain: all rows
       best = -std::numeric_limits<float>::infinity();
       best_id = 0;
       for (int64_t v = 0; v < vocab; ++v) {
-        const float s = exact_dot(e + v * d, hn, d);
+        float s = exact_dot(e + v * d, hn, d);
+        if (gn) s += gn[v];
         if (s > best) {
           best = s;
           best_id = static_cast<int32_t>(v);
@@ -204,12 +217,37 @@ ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error GreedyHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::Buffer<ffi::F32> rows,
+                      ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> error, ffi::ResultBuffer<ffi::S32> tokens) {
+  return HeadArgmax(pool, screen, rows, h, error, nullptr, tokens->typed_data());
+}
+
+ffi::Error SampledHead(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::Buffer<ffi::F32> rows,
+                       ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::F32> error, ffi::Buffer<ffi::F32> noise,
+                       ffi::ResultBuffer<ffi::S32> tokens) {
+  const auto n_dims = noise.dimensions();
+  if (n_dims.size() != 2 || n_dims[0] != h.dimensions()[0] || n_dims[1] != screen.dimensions()[0]) {
+    return ffi::Error::InvalidArgument("jaxspec_sampled_head: expects noise [N, V]");
+  }
+  return HeadArgmax(pool, screen, rows, h, error, noise.typed_data(), tokens->typed_data());
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecGreedyHead, GreedyHead,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecSampledHead, SampledHead,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
