@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache, commit_recurrent, init_cache, replace_rows
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, execution_weights, greedy_tokens, lm_head, output_matrix
+from jaxspec.model import Weights, execution_weights, greedy_tokens, lm_head, output_matrix, screens_head
 from jaxspec.sampling import GREEDY, SamplingConfig, draws_by_argmax, gumbel_noise, sample_token
 from jaxspec.sharding import forward_on_mesh, place_inputs, to_host
 
@@ -114,11 +114,14 @@ def _decode_keeping_features(weights: Weights, cfg: ModelConfig, last: jax.Array
 def _decode_next(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVCache, done: jax.Array,
                  features: jax.Array | None, mesh: Mesh | None, hidden_layers: tuple[int, ...], hidden_dtype,
                  keys: jax.Array, sampling: SamplingConfig):
-    """`_decode_keeping_features` and each row's next token int32[B]: the argmax when greedy; with a temperature alone,
-    the argmax of logits + temperature x Gumbel noise (`draws_by_argmax`: no full logits, on CPU the LM head's
-    bfloat16 screen); with top-k or top-p, a draw from the filtered logits. keys: one PRNG key for the step, or one
-    per row [B] (continuous batching: a row's draws do not depend on its batch). Returns (tokens, cache, features)."""
-    by_argmax = draws_by_argmax(sampling)
+    """`_decode_keeping_features` and each row's next token int32[B]: the argmax when greedy; with a temperature alone
+    where the LM head's bfloat16 screen runs (`screens_head`: the CPU layout, at most 16 rows), the argmax of logits +
+    temperature x Gumbel noise (`draws_by_argmax`), which needs no full logits; otherwise a draw from the processed
+    logits (where the full logits are computed anyway, one uniform a row costs less than a Gumbel variate per token:
+    1 ms for 49k on XLA:CPU). keys: one PRNG key for the step, or one per row [B] (continuous batching: a row's draws
+    do not depend on its batch). Returns (tokens, cache, features)."""
+    by_argmax = sampling.greedy or (draws_by_argmax(sampling) and mesh is None
+                                    and screens_head(weights, last.shape[0]))
     vocab = output_matrix(weights).shape[0]
     noise = None
     if by_argmax and not sampling.greedy:

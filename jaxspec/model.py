@@ -777,6 +777,12 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
     return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
+def screens_head(weights: Weights, positions: int) -> bool:
+    """Whether `greedy_tokens` reads the LM head's bfloat16 screen for this many positions (batch x tokens): with a
+    `HeadScreen` (the CPU layout) and at most the kernel's MAX_COLUMNS (beyond them the product is compute-bound)."""
+    return weights.head_screen is not None and positions <= MAX_COLUMNS
+
+
 def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     """The argmax of `lm_head(weights, cfg, x)` (+ `noise` when given) over the vocabulary (the lowest id among equal
     maxima): x: [B, T, d] residual stream, noise: float32[B, T, V] or None -> int32[B, T]. With noise = temperature
@@ -789,7 +795,7 @@ def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array, noise: jax.A
     token's float32 logit decides. The noise goes with each logit through all three."""
     b, t, d = x.shape
     screen = weights.head_screen
-    if screen is None or b * t > MAX_COLUMNS:  # the kernel's limit; beyond it the head's product is compute-bound
+    if not screens_head(weights, b * t):
         logits = lm_head(weights, cfg, x)  # [B, T, V]
         return jnp.argmax(logits if noise is None else logits + noise, axis=-1).astype(jnp.int32)
     h = rms_norm(x, weights.final_norm, cfg.rms_norm_eps).reshape(b * t, d)  # [N, d]

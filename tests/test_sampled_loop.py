@@ -207,3 +207,46 @@ def test_a_drafter_reporting_the_wrong_q_is_caught(monkeypatch, expected):
     jax.clear_caches()  # the loop compiled for this drafter above must be traced again, with the broken q
     drafter = DraftModelDrafter(depth=3, draft_cfg=CFG)
     assert _p_value(_sampled_rows(drafter, DRAFT), expected) < 1e-6
+
+
+def test_draws_through_the_bfloat16_screen_follow_the_target_distribution():
+    """With a temperature alone on the CPU layout, plain decoding and the speculative loop draw the target's tokens
+    by the Gumbel-max rule through the LM head's bfloat16 screen (`greedy_tokens` with noise; the loop checks prompt
+    lookup's deterministic drafts against those draws). A target with 16 tokens (the screen needs more than its 8
+    candidates), batches small enough for the screen (8 rows x 2 verified tokens, 16 rows x 1): the first two new
+    tokens of 4,096 rows each follow the target's distribution, and the compiled loops do call the sampled head."""
+    from jaxspec.generate import generate, generate_tokens, pad_prompts
+    from jaxspec.model import feature_major_layers, screens_head
+    from jaxspec.speculative import loop_arguments, speculative_generate_tokens
+
+    cfg = dataclasses.replace(CFG, vocab_size=16)
+    weights = feature_major_layers(init_weights(cfg, jax.random.key(13), scale=0.5))  # per layer, with the screen
+    assert weights.head_screen is not None and screens_head(weights, 16)
+    sampling, prompt, new = SamplingConfig(temperature=1.3), [1, 3, 0, 2, 1, 3], 2
+    seqs = np.array(list(itertools.product(range(16), repeat=new)), np.int32)  # [256, 2]
+    ids = jnp.asarray(np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1))
+    ref = init_weights(cfg, jax.random.key(13), scale=0.5)  # the same weights, stacked (the reference forward)
+    probs = np.asarray(target_probs(forward(ref, cfg, ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
+                                    .logits, sampling), np.float64)  # [256, L, 16]
+    steps = probs[np.arange(len(seqs))[:, None], len(prompt) - 1 + np.arange(new)[None], seqs]  # [256, 2]
+    expected = {tuple(s): float(p) for s, p in zip(seqs.tolist(), steps.prod(axis=1))}
+    assert max(expected.values()) < 0.3  # far from one-hot: the check has power
+
+    drafter = PromptLookupDrafter(depth=1)
+    args, kwargs = loop_arguments(weights, cfg, drafter, None, [prompt] * 8, max_new_tokens=new, sampling=sampling,
+                                  seed=0, eos_ids=(), max_cache_length=None, mesh=None)
+    assert "jaxspec_sampled_head" in speculative_generate_tokens.lower(*args, **kwargs).as_text()
+    batch = pad_prompts([prompt] * 16, new, cfg, None)
+    plain = generate_tokens.lower(weights, cfg, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
+                                  jax.random.key(0), max_new_tokens=new, cache_size=batch.cache_size,
+                                  sampling=sampling, eos_ids=())
+    assert "jaxspec_sampled_head" in plain.as_text()
+
+    speculative, autoregressive = [], []
+    for seed in range(512):
+        speculative += speculative_generate(weights, cfg, drafter, None, [prompt] * 8, max_new_tokens=new,
+                                            sampling=sampling, seed=seed, eos_ids=()).token_ids
+    for seed in range(256):
+        autoregressive += generate(weights, cfg, [prompt] * 16, max_new_tokens=new, sampling=sampling, seed=seed,
+                                   eos_ids=()).token_ids
+    assert _p_value(speculative, expected) > 1e-3 and _p_value(autoregressive, expected) > 1e-3
