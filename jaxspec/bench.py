@@ -138,9 +138,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="skip the peers: transformers' generate and prompt lookup, llama.cpp")
     p.add_argument("--phases", action="store_true",
                    help="also time each speculative round's phases (draft, verify, accept, commit) in ms, from one "
-                        "profiled run of each row's first batch (jaxspec.profiling; one more compilation per row; the run "
-                        "compiles without the persistent compilation cache, whose entries may carry another "
-                        "version's op names)")
+                        "profiled run of each row's first batch (jaxspec.profiling; one more compilation per row; "
+                        "the run compiles without the persistent compilation cache, whose entries may carry "
+                        "another version's op names)")
     add_layers_arg(p)
     return p
 
