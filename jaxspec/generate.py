@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache, commit_recurrent, init_cache, replace_rows
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
-from jaxspec.model import Weights, execution_weights, greedy_tokens, lm_head, output_matrix, screens_head
-from jaxspec.sampling import GREEDY, SamplingConfig, draws_by_argmax, gumbel_noise, sample_token
+from jaxspec.model import Weights, draws_through_screen, execution_weights, greedy_tokens, lm_head, output_matrix
+from jaxspec.sampling import GREEDY, SamplingConfig, gumbel_noise, sample_token
 from jaxspec.sharding import forward_on_mesh, place_inputs, to_host
 
 PAD = -1  # emitted after a row's EOS
@@ -115,13 +115,11 @@ def _decode_next(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVC
                  features: jax.Array | None, mesh: Mesh | None, hidden_layers: tuple[int, ...], hidden_dtype,
                  keys: jax.Array, sampling: SamplingConfig):
     """`_decode_keeping_features` and each row's next token int32[B]: the argmax when greedy; with a temperature alone
-    where the LM head's bfloat16 screen runs (`screens_head`: the CPU layout, at most 16 rows), the argmax of logits +
-    temperature x Gumbel noise (`draws_by_argmax`), which needs no full logits; otherwise a draw from the processed
-    logits (where the full logits are computed anyway, one uniform a row costs less than a Gumbel variate per token:
-    1 ms for 49k on XLA:CPU). keys: one PRNG key for the step, or one per row [B] (continuous batching: a row's draws
-    do not depend on its batch). Returns (tokens, cache, features)."""
-    by_argmax = sampling.greedy or (draws_by_argmax(sampling) and mesh is None
-                                    and screens_head(weights, last.shape[0]))
+    where the LM head's bfloat16 screen runs (`draws_through_screen`), the argmax of logits + temperature x Gumbel
+    noise, which needs no full logits; otherwise a draw from the processed logits. keys: one PRNG key for the step, or
+    one per row [B] (continuous batching: a row's draws do not depend on its batch). Returns (tokens, cache,
+    features)."""
+    by_argmax = sampling.greedy or (mesh is None and draws_through_screen(weights, sampling, last.shape[0]))
     vocab = output_matrix(weights).shape[0]
     noise = None
     if by_argmax and not sampling.greedy:
@@ -129,11 +127,7 @@ def _decode_next(weights: Weights, cfg: ModelConfig, last: jax.Array, cache: KVC
                  jax.vmap(lambda k: gumbel_noise(k, (vocab,), sampling))(keys))  # [B, V]
     scores, cache, features = _decode_keeping_features(weights, cfg, last, cache, done, features, mesh, hidden_layers,
                                                        hidden_dtype, greedy=by_argmax, noise=noise)
-    if by_argmax:
-        return scores, cache, features
-    if keys.ndim == 0:
-        return sample_token(keys, scores, sampling), cache, features
-    return jax.vmap(lambda k, row: sample_token(k, row[None], sampling)[0])(keys, scores), cache, features
+    return (scores if by_argmax else _sample_with_keys(keys, scores, sampling)), cache, features
 
 
 def _prompt_feature_bits(hidden: jax.Array, prompt_lengths: jax.Array, hidden_dtype) -> jax.Array:
@@ -447,13 +441,19 @@ def _row_keys(rng: jax.Array, sample: jax.Array, count: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(rng, s), c))(sample, count)
 
 
+def _sample_with_keys(keys: jax.Array, logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """int32[B]: `sample_token` on logits [B, V] with one key for the batch, or with each row's own key [B]."""
+    if keys.ndim == 0:
+        return sample_token(keys, logits, sampling)
+    return jax.vmap(lambda k, row: sample_token(k, row[None], sampling)[0])(keys, logits)
+
+
 def _sample_rows(rng: jax.Array, sample: jax.Array, count: jax.Array, logits: jax.Array,
                  sampling: SamplingConfig) -> jax.Array:
     """int32[B]: each row's next token from logits [B, V], drawn with its `_row_keys` key."""
     if sampling.greedy:
         return sample_token(rng, logits, sampling)
-    keys = _row_keys(rng, sample, count)  # [B]
-    return jax.vmap(lambda k, row: sample_token(k, row[None], sampling)[0])(keys, logits)
+    return _sample_with_keys(_row_keys(rng, sample, count), logits, sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "eos_ids", "hidden_layers", "hidden_dtype"),

@@ -38,6 +38,7 @@ from jaxspec.kernels import (
     greedy_head,
     small_product_columns,
 )
+from jaxspec.sampling import SamplingConfig, draws_by_argmax
 
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
@@ -781,6 +782,14 @@ def screens_head(weights: Weights, positions: int) -> bool:
     """Whether `greedy_tokens` reads the LM head's bfloat16 screen for this many positions (batch x tokens): with a
     `HeadScreen` (the CPU layout) and at most the kernel's MAX_COLUMNS (beyond them the product is compute-bound)."""
     return weights.head_screen is not None and positions <= MAX_COLUMNS
+
+
+def draws_through_screen(weights: Weights, sampling: SamplingConfig, positions: int) -> bool:
+    """Whether the decoding loops draw tokens under a (non-greedy) `sampling` by `greedy_tokens` with Gumbel noise:
+    a temperature alone (`draws_by_argmax`) and the screen running for these positions (`screens_head`). Elsewhere
+    the full logits are computed anyway, and one uniform a row (`sample_token`) costs less than a Gumbel variate per
+    token (1 ms for 49k on XLA:CPU)."""
+    return draws_by_argmax(sampling) and screens_head(weights, positions)
 
 
 def greedy_tokens(weights: Weights, cfg: ModelConfig, x: jax.Array, noise: jax.Array | None = None) -> jax.Array:

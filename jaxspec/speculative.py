@@ -24,8 +24,8 @@ from jaxspec.cache import commit_positions, commit_recurrent, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.generate import PAD, GenerationResult, pad_prompts, prefill
-from jaxspec.model import Weights, greedy_tokens, output_matrix, screens_head
-from jaxspec.sampling import GREEDY, SamplingConfig, draws_by_argmax, gumbel_noise, sample_token
+from jaxspec.model import Weights, draws_through_screen, greedy_tokens, output_matrix
+from jaxspec.sampling import GREEDY, SamplingConfig, gumbel_noise, sample_token
 from jaxspec.sharding import place_inputs, replicate_on_mesh, to_host
 from jaxspec.verification import accept_greedy, verify_and_accept, verify_forward
 
@@ -101,10 +101,9 @@ def speculative_generate_tokens(
         # (`greedy_tokens`): its argmax at T=0; with a temperature alone, deterministic drafts and the LM head's
         # screen, its draw by the Gumbel-max rule, which accepts a child exactly when the target drew that child's
         # token: child x with probability p(x), the bonus from p without the children tried, the rule of `accept`
-        # for point masses. (Without the screen the full logits are computed anyway, and `accept` on them costs
-        # less than a Gumbel variate per token.)
-        by_draw = mesh is None and (sampling.greedy or (draws_by_argmax(sampling) and tree.draft_probs is None
-                                                        and screens_head(weights, b * width)))
+        # for point masses. (Without the screen the full logits are computed anyway: `draws_through_screen`.)
+        by_draw = mesh is None and (sampling.greedy or (tree.draft_probs is None
+                                                        and draws_through_screen(weights, sampling, b * width)))
         with jax.named_scope("verify"):
             verification = verify_forward(weights, cfg, cache, root, tree, drafter.target_layers, mesh,
                                           compute_logits=not by_draw)

@@ -13,8 +13,8 @@
 // 3. The best of those is the answer when the next screened logit plus error * ||h[n]||_2 stays below it: `error`
 //    bounds |screened - exact| per unit ||h|| for every token (jaxspec.model.HeadScreen), so no token outside the
 //    candidates can reach it (with noise, the same holds for logit + noise, less a few units in the last place of
-//    the sums, which the comparison leaves room for). Otherwise every row is scored by exact_dot for that position (rare: the ninth-best
-//    logit within about one logit of the best).
+//    the sums, which the comparison leaves room for). Otherwise every row is scored by exact_dot for that position
+//    (rare: the ninth-best logit within about one logit of the best).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
