@@ -19,6 +19,8 @@ import argparse
 import os
 import tempfile
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.data import RegeneratedDataset
@@ -38,6 +40,32 @@ def chain_acceptance(method, target, dataset, indices, depth: int) -> tuple[np.n
                         head_cfg=method.drafter.head_config(target.config))  # [P, depth]
     hits = np.cumprod(ranks == 0, axis=1)  # [P, depth]
     return hits.mean(0), float((1 + hits.sum(1)).mean()), len(ranks)
+
+
+def sampled_first_draft(method, target, dataset, indices) -> tuple[float, float, int]:
+    """At temperature 1, the probability that the target keeps a round's first draft, two ways, along the samples:
+    (the head's top choice drafted as a point mass: E p(argmax q), what jaxspec's rounds draft today; a draft sampled
+    from the head's q and kept with probability min(1, p/q): E sum_x min(p(x), q(x)), the standard rule), and the
+    number of positions. p: the target's softmax, q: the head's (over its draft vocabulary)."""
+    from jaxspec.drafters.eagle import _chain_logits
+
+    d2t = np.asarray(draft_to_target(method.params)).astype(np.int64)  # [Vd]
+    point, sampled, positions = 0.0, 0.0, 0
+    for i in indices:
+        row = dataset.sample(i)
+        start = int(dataset.prompt_lengths[i])
+        head_logits, target_logits = _chain_logits(
+            method.params, target.weights, target.config, method.drafter.head_config(target.config),
+            tuple(method.drafter.target_layers), row[None].astype(np.int32), 1, target_logits=True)
+        q = np.asarray(jax.nn.softmax(head_logits[0, 0].astype(jnp.float32), axis=-1), np.float64)  # [S, Vd]
+        p = np.asarray(jax.nn.softmax(target_logits[0].astype(jnp.float32), axis=-1), np.float64)  # [S, V]
+        cols = np.arange(max(start - 1, 0), len(row) - 2)  # column t: the head predicts token t + 2
+        p_next = p[cols + 1][:, d2t]  # [P, Vd] the target's distribution of token t + 2, on the draft vocabulary
+        q_cols = q[cols]  # [P, Vd]
+        point += float(np.take_along_axis(p_next, q_cols.argmax(-1)[:, None], axis=-1).sum())
+        sampled += float(np.minimum(p_next, q_cols).sum())
+        positions += len(cols)
+    return point / positions, sampled / positions, positions
 
 
 def vocabulary_coverage(method, dataset, indices) -> float:
@@ -64,6 +92,9 @@ def main() -> None:
                    help="samples whose prompt index is at least this were never trained on")
     p.add_argument("--count", type=int, default=12, help="unseen samples to measure")
     p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--sampled", action="store_true",
+                   help="also the first draft's acceptance at T=1: the head's top choice as a point mass against a "
+                        "draft sampled from its distribution")
     args = p.parse_args()
 
     target = load_model(args.model)
@@ -105,6 +136,10 @@ def measure_prompt_sets(method, target, args) -> None:
             print(f"{name} ({len(indices)} answers, {positions} positions): P(top-1 through depth j) "
                   f"{np.round(hits, 3).tolist()}, chain-of-{args.depth} tau {tau:.2f}, "
                   f"{vocabulary_coverage(method, dataset, indices):.1%} of the response tokens in the draft vocabulary")
+            if args.sampled:
+                point, sampled, positions = sampled_first_draft(method, target, dataset, indices)
+                print(f"  T=1, first draft kept: top choice as a point mass {point:.3f}, sampled from the head's q "
+                      f"{sampled:.3f} ({positions} positions)")
 
 
 if __name__ == "__main__":
