@@ -16,7 +16,10 @@ is atomic), and a shard only counts once the manifest lists it with its sha256. 
 worst a temporary file or an unlisted shard; rerunning the same command in the same folder removes those,
 re-checks the finished shards and continues with the first unfinished one. Skipped prompts, shard boundaries and
 each answer's sampling keys (fixed by the seed and its prompt's index) depend only on the settings, so a resumed run
-writes exactly the shards an uninterrupted one would have.
+writes exactly the shards an uninterrupted one would have. The batch size is not a setting: a run may resume with
+another (a faster one found meanwhile), and each shard records the batch size that made it. It changes only how many
+rows share each matrix product, so an answer can differ only where the target's own float arithmetic leaves a
+near-tie, as between any two batch sizes of plain decoding.
 
 `RegeneratedDataset` reads such a folder back as shuffled, fixed-shape training batches that can be resumed at
 any sample (`batches(..., start=position)`).
@@ -403,7 +406,6 @@ def regenerate_ids(
         "generation": {
             "max_prompt_tokens": max_prompt_tokens,
             "max_new_tokens": max_new_tokens,
-            "batch_size": batch_size,
             "temperature": sampling.temperature,
             "top_k": sampling.top_k,
             "top_p": sampling.top_p,
@@ -496,6 +498,7 @@ def regenerate_ids(
                     "response_tokens": int((arrays["lengths"] - arrays["prompt_lengths"]).sum()),
                     "sha256": file_sha256(path),
                     "bytes": os.path.getsize(path),
+                    "batch_size": batch_size,  # of the run that wrote it (a resumed run may use another)
                     **entry,
                 }
                 manifest["shards"] = dict(sorted(finished.items()))
@@ -539,6 +542,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def _check_settings(manifest: dict, settings: dict, out_dir: str) -> None:
     """UserError naming every setting that differs from the run already in `out_dir`."""
     old = _flatten({k: manifest.get(k) for k in settings})
+    old.pop("generation.batch_size", None)  # folders written before the batch size became a per-shard record
     new = _flatten(settings)
     differ = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if differ:

@@ -2,8 +2,8 @@
 # Issue 16's training data: SmolLM2-135M-Instruct answers the ShareGPT prompts (templated prompts up to 128 tokens,
 # answers up to 256), greedy, with the residual stream after layers 2, 15, 27 and 29 saved while generating (what
 # EAGLE-3 trains on; 29 is the last layer, for the target's own logits), so training never runs the target again.
-# Batch 64 (BATCH=N for a new folder: on the Intel Xeon of 2026-12-07, 256 made 257 tok/s against 203 at 64; a
-# folder resumes only with the batch size it started with); the CPU weight layout is measured at start (--layers
+# Batch 64 (BATCH=N for another: on the Intel Xeon of 2026-12-07, 256 made 257 tok/s against 203 at 64; a run
+# may resume with another batch size); the CPU weight layout is measured at start (--layers
 # auto, about a minute: per-layer buffers won clearly on an AMD EPYC; on the Intel Xeon of 2026-12-04 a batch-64
 # step took 281 ms per-layer against 295 ms stacked).
 #

@@ -131,6 +131,39 @@ def test_killed_run_resumes_to_the_same_shards(target, greedy_dir, tmp_path):
     assert any(not np.array_equal(greedy[n]["tokens"], a[n]["tokens"]) for n in a)  # it did sample
 
 
+def test_a_run_resumes_with_another_batch_size(target, greedy_dir, tmp_path):
+    """The batch size is no setting of the folder: a run killed after its 2nd shard resumes with another and ends
+    with the uninterrupted run's shards, each recording the batch size that made it; a folder whose manifest still
+    holds the batch size among its settings (written before) resumes too."""
+    class Killed(Exception):
+        pass
+
+    def kill_after_second(shard, manifest):
+        if shard == 1:
+            raise Killed
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        _run(target, out, on_shard=kill_after_second)
+    manifest = _run(target, out, batch_size=BATCH + 2)
+    assert manifest["complete"]
+    assert [manifest["shards"][n]["batch_size"] for n in sorted(manifest["shards"])] == [BATCH] * 2 + [BATCH + 2] * 2
+    a, b = _shards(greedy_dir), _shards(out)
+    assert list(a) == list(b)
+    for name in a:
+        for key in a[name]:
+            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name} {key}")
+
+    older = tmp_path / "older"
+    shutil.copytree(greedy_dir, older)
+    manifest = json.load(open(older / MANIFEST))
+    manifest["generation"]["batch_size"] = BATCH  # as folders of earlier versions hold it
+    (older / MANIFEST).write_text(json.dumps(manifest))
+    written = []
+    assert _run(target, older, batch_size=BATCH + 1, on_shard=lambda s, m: written.append(s))["complete"]
+    assert not written
+
+
 def test_corrupt_shard_is_regenerated(target, greedy_dir, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(greedy_dir, out)
