@@ -350,7 +350,8 @@ def regenerate_ids(
         out_dir: Folder for the shards and manifest (created if needed).
         max_prompt_tokens: Longer prompts are skipped.
         max_new_tokens: Most response tokens per prompt (EOS included when reached).
-        batch_size: Rows decoded together (each answering its own prompt).
+        batch_size: Rows decoded together (each answering its own prompt). Not one of the folder's settings: a
+            resumed run may use another, and each shard's manifest entry records the one that wrote it.
         shard_size: Samples per shard file.
         sampling: Greedy (temperature 0) or the target distribution to sample from.
         seed: Base seed of every answer's sampling keys (with its prompt's index).
