@@ -43,8 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxspec.budget import chosen_layout
 from jaxspec.generate import generate
 from jaxspec.loading import DEFAULT_MODEL, load_model
+from jaxspec.model import layers_layout
 from jaxspec.tokenizer import encode_prompt
 
 # Varied chat prompts, each well under 64 tokens once chat-templated (one prompt-width bucket: one compilation).
@@ -72,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (after one warm-up)")
     p.add_argument("--no-torch", action="store_true", help="skip the transformers + torch comparison")
     p.add_argument("--torch-threads", type=int, default=2, help="torch.set_num_threads for transformers")
+    p.add_argument("--layers", choices=("auto", "stacked", "unstacked"), default=None,
+                   help="CPU weight layout; default: $JAXSPEC_LAYERS if set, else auto: at each batch size the layout "
+                        "whose decoding step is faster here, as `jaxspec generate` and `jaxspec bench` choose it "
+                        "(measured once per machine and batch size, cached)")
     p.add_argument("--json", metavar="OUT", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
@@ -249,22 +255,23 @@ def fmt(x, spec=".1f", missing="-") -> str:
 def print_table(res: dict) -> None:
     bound = res["bound_tokens_per_s"]
     torch_b = (res.get("transformers") or {}).get("batches", {})
-    header = (f"{'':<28}{'tok/s best':>11}{'tok/s med':>11}{'ms/step':>9}{'prefill ms':>11}{'bound tok/s':>12}"
+    header = (f"{'':<32}{'tok/s best':>11}{'tok/s med':>11}{'ms/step':>9}{'prefill ms':>11}{'bound tok/s':>12}"
               f"{'of bound':>9}{'vs transformers':>16}")
     lines = [header, "-" * len(header)]
     for r in res["jaxspec"]:
         b = r["batch"]
         ref = torch_b.get(b)
         ratio = None if ref is None else r["tokens_per_s_best"] / ref["tokens_per_s_best"]
+        label = f"jaxspec batch {b} ({r['layout']})"
         lines.append(
-            f"{f'jaxspec batch {b}':<28}{fmt(r['tokens_per_s_best']):>11}{fmt(r['tokens_per_s_median']):>11}"
+            f"{label:<32}{fmt(r['tokens_per_s_best']):>11}{fmt(r['tokens_per_s_median']):>11}"
             f"{fmt(r['ms_per_step'], '.2f'):>9}{fmt(r['prefill_ms']):>11}{fmt(b * bound):>12}"
             f"{fmt(r['tokens_per_s_best'] / (b * bound), '.0%'):>9}{fmt(ratio, '.2f') + ('x' if ratio else ''):>16}"
         )
-    lines.append(f"{'bandwidth bound (batch 1)':<28}{fmt(bound):>11}{'':>11}{fmt(1e3 / bound, '.2f'):>9}")
+    lines.append(f"{'bandwidth bound (batch 1)':<32}{fmt(bound):>11}{'':>11}{fmt(1e3 / bound, '.2f'):>9}")
     for b, ref in torch_b.items():
         lines.append(
-            f"{f'transformers batch {b}':<28}{fmt(ref['tokens_per_s_best']):>11}{fmt(ref['tokens_per_s_median']):>11}"
+            f"{f'transformers batch {b}':<32}{fmt(ref['tokens_per_s_best']):>11}{fmt(ref['tokens_per_s_median']):>11}"
             f"{fmt(ref['ms_per_token_step'], '.2f'):>9}{'':>11}{fmt(b * bound):>12}"
             f"{fmt(ref['tokens_per_s_best'] / (b * bound), '.0%'):>9}"
         )
@@ -304,9 +311,13 @@ def main(argv=None) -> None:
     print(f"{len(PROMPTS)} chat prompts, {min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens; "
           f"{n} new tokens per row; batch sizes {args.batch_sizes}; {args.repeats} repeats")
 
+    # each batch size in the layout jaxspec's own commands would run it in (its fastest plain decoding here)
+    layouts = {batch: chosen_layout(loaded, batch, args.layers)[0] for batch in args.batch_sizes}
+    print("layouts:", ", ".join(f"batch {b} {layout}" for b, layout in layouts.items()))
     print("Measuring memory read bandwidth (1 GiB float32 sum)...")
     bandwidth = measure_bandwidth()
-    weight_bytes = weight_bytes_per_step(loaded)
+    with layers_layout(layouts[args.batch_sizes[0]]):  # the bytes a step reads depend on the layout (head screen)
+        weight_bytes = weight_bytes_per_step(loaded)
     bound = bandwidth["gb_s"] * 1e9 / weight_bytes
     print(f"  {bandwidth['gb_s']:.1f} GB/s; {weight_bytes / 1e6:.1f} MB of weights per step -> "
           f"bound {bound:.1f} tok/s at batch 1")
@@ -330,7 +341,9 @@ def main(argv=None) -> None:
     }
     print("jaxspec generate (greedy, EOS disabled):")
     for batch in args.batch_sizes:
-        res["jaxspec"].append(bench_jaxspec(loaded, prompt_ids, batch, n, args.repeats))
+        with layers_layout(layouts[batch]):
+            res["jaxspec"].append({**bench_jaxspec(loaded, prompt_ids, batch, n, args.repeats),
+                                   "layout": layouts[batch]})
 
     if args.no_torch:
         res["transformers_skipped"] = "skipped (--no-torch)"
