@@ -3,9 +3,9 @@
 # answers up to 256), greedy, with the residual stream after layers 2, 15, 27 and 29 saved while generating (what
 # EAGLE-3 trains on; 29 is the last layer, for the target's own logits), so training never runs the target again.
 # Batch 64 (BATCH=N for another: on the Intel Xeon of 2026-12-07, 256 made 257 tok/s against 203 at 64; a run
-# may resume with another batch size); the CPU weight layout is measured at start (--layers
-# auto, about a minute: per-layer buffers won clearly on an AMD EPYC; on the Intel Xeon of 2026-12-04 a batch-64
-# step took 281 ms per-layer against 295 ms stacked).
+# may resume with another batch size). The CPU weight layout is measured at start (--layers auto, about a minute:
+# per-layer buffers won clearly on an AMD EPYC; on the Intel Xeon of 2026-12-04 a batch-64 step took 281 ms
+# per-layer against 295 ms stacked).
 #
 # Runs in the background at low priority and resumes where it stopped: rerun the same command after any
 # interruption (finished shards are kept, checked by sha256). Progress: tail -f logs/regenerate-FOLDER.log; the counts

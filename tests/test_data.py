@@ -57,6 +57,26 @@ def _shards(out_dir) -> dict[str, dict[str, np.ndarray]]:
     return out
 
 
+class Killed(Exception):
+    """Raised by `_kill_after_second`: a run killed between two shards."""
+
+
+def _kill_after_second(shard, manifest):
+    """An `on_shard` callback that kills the run once its 2nd shard is committed."""
+    if shard == 1:
+        raise Killed
+
+
+def _assert_same_shards(a_dir, b_dir) -> tuple[dict, dict]:
+    """Both folders hold the same shard files with equal arrays; returns their `_shards`."""
+    a, b = _shards(a_dir), _shards(b_dir)
+    assert list(a) == list(b)
+    for name in a:
+        for key in a[name]:
+            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name} {key}")
+    return a, b
+
+
 @pytest.fixture(scope="module")
 def greedy_dir(target, tmp_path_factory):
     """An uninterrupted greedy run (with the progress bar on)."""
@@ -97,16 +117,9 @@ def test_killed_run_resumes_to_the_same_shards(target, greedy_dir, tmp_path):
     whole = tmp_path / "whole"
     _run(target, whole, **sampled)
 
-    class Killed(Exception):
-        pass
-
-    def kill_after_second(shard, manifest):
-        if shard == 1:
-            raise Killed
-
     resumed = tmp_path / "resumed"
     with pytest.raises(Killed):
-        _run(target, resumed, on_shard=kill_after_second, **sampled)
+        _run(target, resumed, on_shard=_kill_after_second, **sampled)
     manifest = json.load(open(resumed / MANIFEST))
     assert not manifest["complete"] and sorted(manifest["shards"]) == ["shard-00000.npz", "shard-00001.npz"]
     (resumed / "shard-00002.npz.tmp").write_bytes(b"half a shard")  # killed while writing
@@ -118,11 +131,7 @@ def test_killed_run_resumes_to_the_same_shards(target, greedy_dir, tmp_path):
     _run(target, resumed, on_shard=lambda s, m: written.append(s), **sampled)
     assert written == [2, 3]  # only the unfinished shards are generated
     assert not (resumed / "shard-00002.npz.tmp").exists()
-    a, b = _shards(whole), _shards(resumed)
-    assert list(a) == list(b)
-    for name in a:
-        for key in a[name]:
-            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name} {key}")
+    a, b = _assert_same_shards(whole, resumed)
     assert np.concatenate([z["source_index"] for z in b.values()]).tolist() == KEPT
     assert json.load(open(resumed / MANIFEST))["complete"]
     written.clear()  # the same command once more, on the finished run: nothing to do, nothing rewritten
@@ -135,24 +144,13 @@ def test_a_run_resumes_with_another_batch_size(target, greedy_dir, tmp_path):
     """The batch size is no setting of the folder: a run killed after its 2nd shard resumes with another and ends
     with the uninterrupted run's shards, each recording the batch size that made it; a folder whose manifest still
     holds the batch size among its settings (written before) resumes too."""
-    class Killed(Exception):
-        pass
-
-    def kill_after_second(shard, manifest):
-        if shard == 1:
-            raise Killed
-
     out = tmp_path / "resumed"
     with pytest.raises(Killed):
-        _run(target, out, on_shard=kill_after_second)
+        _run(target, out, on_shard=_kill_after_second)
     manifest = _run(target, out, batch_size=BATCH + 2)
     assert manifest["complete"]
     assert [manifest["shards"][n]["batch_size"] for n in sorted(manifest["shards"])] == [BATCH] * 2 + [BATCH + 2] * 2
-    a, b = _shards(greedy_dir), _shards(out)
-    assert list(a) == list(b)
-    for name in a:
-        for key in a[name]:
-            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name} {key}")
+    _assert_same_shards(greedy_dir, out)
 
     older = tmp_path / "older"
     shutil.copytree(greedy_dir, older)
@@ -342,15 +340,8 @@ def test_features_saved_while_generating_equal_a_fresh_forward_and_resume_withou
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     _run(target, whole, feature_layers=layers)
 
-    class Killed(Exception):
-        pass
-
-    def kill_after_second(shard, manifest):
-        if shard == 1:
-            raise Killed
-
     with pytest.raises(Killed):
-        _run(target, resumed, feature_layers=layers, on_shard=kill_after_second)
+        _run(target, resumed, feature_layers=layers, on_shard=_kill_after_second)
     (resumed / ("shard-00002.npz" + FEATURES_SUFFIX)).write_bytes(b"killed before its shard was listed")
     written = []
     manifest = _run(target, resumed, feature_layers=layers, on_shard=lambda s, m: written.append(s))
