@@ -558,7 +558,8 @@ def _check_modelled(shape: TreeShape) -> None:
         raise UserError(f"{shape} is neither a chain nor a full depth-2 tree; its acceptance is not modelled.")
 
 
-def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: np.ndarray | None = None) -> float:
+def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: np.ndarray | None = None,
+                              lookup_valid: np.ndarray | None = None) -> float:
     """Expected tokens a round yields (accepted drafts + the bonus) at T=0, from the drafter's measured ranks.
 
     ranks: int[P, D]: at P positions of text the target generated, the rank of the target's own next token at depth
@@ -566,8 +567,10 @@ def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: 
     target's path, which is exactly what a round drafts for as long as its drafts are accepted); a large value where
     the token is outside the draft vocabulary or the text ends. D must be at least the shape's depth.
     lookup_runs: int[P], at the same positions, how many leading tokens of the prompt-lookup chain equal the text's
-    (`jaxspec.drafters.prompt_lookup.lookup_runs`); needed when shape.lookup > 0. The merged tree holds both paths,
-    so a round keeps the longer.
+    (`jaxspec.drafters.prompt_lookup.lookup_statistics`); needed when shape.lookup > 0. The merged tree holds both
+    paths, so a round keeps the longer. lookup_valid: int[P], how many of the chain's tokens are valid there: the
+    slots past its end hold the head's next-ranked first tokens (`jaxspec.tree.merge_chain`), so the head's first
+    draft is also kept when it ranks below top_k + those slots (None: no such slots counted, a lower bound).
 
     A chain keeps depth j's draft iff ranks 1..j are all 0; a full depth-2 tree iff they are all below top_k. Other
     shapes are not exact under this model and are refused.
@@ -582,6 +585,12 @@ def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: 
         if lookup_runs is None or np.shape(lookup_runs) != (len(ranks),):
             raise UserError(f"{shape} merges a prompt-lookup chain: its acceptance needs the lookup runs measured at "
                             f"the ranks' {len(ranks)} positions.")
+        if lookup_valid is not None:
+            if np.shape(lookup_valid) != (len(ranks),):
+                raise UserError(f"The lookup chain's valid counts must be measured at the ranks' {len(ranks)} "
+                                f"positions; got shape {np.shape(lookup_valid)}.")
+            spare = shape.lookup - np.minimum(np.asarray(lookup_valid), shape.lookup)  # [P]: slots past its end
+            accepted = np.maximum(accepted, ranks[:, 0] < shape.top_k + spare)  # a spare first token kept
         accepted = np.maximum(accepted, np.minimum(np.asarray(lookup_runs), shape.lookup))  # [P]
     return 1.0 + float(accepted.mean())
 
@@ -610,13 +619,14 @@ def expected_tokens_sampled(mass: np.ndarray, shape: TreeShape) -> float:
 
 def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: Callable[[int, TreeShape], float],
                 shapes: Sequence[TreeShape] = TREE_SHAPES, lookup_runs: np.ndarray | None = None,
-                draft_mass: np.ndarray | None = None) -> tuple[TreeShape, list[dict]]:
+                draft_mass: np.ndarray | None = None,
+                lookup_valid: np.ndarray | None = None) -> tuple[TreeShape, list[dict]]:
     """The EAGLE tree shape with the highest expected throughput at this batch size, and the table behind it.
 
     throughput = batch * tau(shape) / (cost.verify_seconds(batch, nodes + 1) + draft_seconds(batch, shape)), with
     tau at T=0 from the drafter's measured ranks and, for shapes with a prompt-lookup chain, the measured
-    `lookup_runs` (`expected_tokens_per_round`; without them those shapes are left out); for a sampled run (T > 0)
-    pass `draft_mass`: tau then comes from the target's probabilities of the head's candidates
+    `lookup_runs` and `lookup_valid` (`expected_tokens_per_round`; without runs those shapes are left out); for a
+    sampled run (T > 0) pass `draft_mass`: tau then comes from the target's probabilities of the head's candidates
     (`expected_tokens_sampled`) and the lookup shapes are left out. Each row also gives the expected speedup over
     plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s).
 
@@ -639,7 +649,7 @@ def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: C
         if draft_mass is not None:
             tau = expected_tokens_sampled(draft_mass, shape)
         else:
-            tau = expected_tokens_per_round(ranks, shape, lookup_runs)
+            tau = expected_tokens_per_round(ranks, shape, lookup_runs, lookup_valid)
         verify = cost.verify_seconds(batch, shape.verified_nodes + 1)
         draft = float(draft_seconds(batch, shape))
         speed = batch * tau / (verify + draft)

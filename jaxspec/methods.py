@@ -75,9 +75,10 @@ class Method:
     # eagle2/eagle3 with --budget auto (their default): the head's measured draft ranks along text the target
     # generated, int[P, D] (jaxspec.drafters.eagle.draft_ranks), from which each tree shape's tau follows
     tree_ranks: Any = None
-    # and how many tokens of a prompt-lookup chain the target keeps at the same positions, int[P]
-    # (jaxspec.drafters.prompt_lookup.lookup_runs), for the shapes that merge one into the tree
+    # and how many tokens of a prompt-lookup chain the target keeps at the same positions, int[P], and how many of
+    # them are valid, int[P] (jaxspec.drafters.prompt_lookup.lookup_statistics), for the shapes that merge one in
     lookup_runs: Any = None
+    lookup_valid: Any = None
     # and at T > 0: the target's probability of the head's top-k candidates at those positions and depths, float[P, D,
     # K] (jaxspec.drafters.eagle.draft_statistics)
     draft_mass: Any = None
@@ -139,7 +140,7 @@ class Method:
 
         return choose_tree(cost, batch, self.tree_ranks, draft_seconds,
                            lookup_runs=self.lookup_runs if greedy else None,
-                           draft_mass=None if greedy else self.draft_mass)
+                           draft_mass=None if greedy else self.draft_mass, lookup_valid=self.lookup_valid)
 
     def auto_table(self, batch: int, greedy: bool = True) -> tuple[str, str, list[dict]]:
         """(what was chosen, the table as text, its rows) of --budget auto at this batch size (greedy: see
@@ -314,7 +315,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
     if options.lookup_tokens:  # by hand: the head's tree as given (or the drafter's) plus the lookup chain
         drafter = dataclasses.replace(drafter, num_nodes=drafter.num_nodes + options.lookup_tokens,
                                       lookup_depth=options.lookup_tokens)
-    cost_model = tree_ranks = lookup_runs = draft_mass = None
+    cost_model = tree_ranks = lookup_runs = lookup_valid = draft_mass = None
     # --budget auto is the default of every tree method on one device: the EAGLE trees unless given by hand, the
     # block heads' budgets unless given
     auto = options.budget == "auto" or (options.mesh is None and options.budget is None and (
@@ -330,7 +331,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
         folder = options.drafter if options.drafter != "untrained" else None
         folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
-        tree_ranks, lookup_runs, draft_mass = measured_draft_ranks(target, drafter, params, folder)
+        tree_ranks, lookup_runs, lookup_valid, draft_mass = measured_draft_ranks(target, drafter, params, folder)
     budget_taus = None
     if auto and spec.auto == "budget":
         from jaxspec.budget import load_or_measure_cost_model
@@ -340,7 +341,8 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         folder = options.drafter if options.drafter != "untrained" else None
         budget_taus = measured_budget_taus(target, drafter, params, auto_budgets(drafter, spec), folder)
     return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
-                  tree_ranks=tree_ranks, lookup_runs=lookup_runs, draft_mass=draft_mass, budget_taus=budget_taus)
+                  tree_ranks=tree_ranks, lookup_runs=lookup_runs, lookup_valid=lookup_valid, draft_mass=draft_mass,
+                  budget_taus=budget_taus)
 
 
 def auto_budgets(drafter, spec: MethodSpec) -> list[int]:
@@ -556,12 +558,14 @@ def _calibration_digest() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | None = None) -> tuple[Any, Any, Any]:
-    """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P], mass float[P, CALIBRATION_DEPTH, CALIBRATION_TOP_K]): an
+def measured_draft_ranks(target: LoadedModel, drafter, params,
+                         folder: str | None = None) -> tuple[Any, Any, Any, Any]:
+    """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P], lookup valid int[P], mass float[P, CALIBRATION_DEPTH,
+    CALIBRATION_TOP_K]): an
     EAGLE head's ranks of the target's tokens along the target's own greedy answers to CALIBRATION_PROMPTS and the
     target's probabilities of its top-k candidates (`jaxspec.drafters.eagle.draft_statistics`: what rounds keep at
     T=0 and at T > 0), and how many tokens of a prompt-lookup chain the target keeps at the same positions at T=0
-    (`jaxspec.drafters.prompt_lookup.lookup_runs`).
+    and how many of them are valid (`jaxspec.drafters.prompt_lookup.lookup_statistics`).
 
     Read from the drafter's folder when it holds them for this head and target (`save_draft_ranks`; the shipped
     drafter does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the
@@ -577,20 +581,20 @@ def measured_draft_ranks(target: LoadedModel, drafter, params, folder: str | Non
                 same = (str(f["target"]) == target.fingerprint() and str(f["calibration"]) == _calibration_digest()
                         and str(f["head"]) == head)
                 if same and f["ranks"].ndim == 2 and f["ranks"].shape[1] == CALIBRATION_DEPTH:
-                    return f["ranks"], f["lookup_runs"], f["draft_mass"]
+                    return f["ranks"], f["lookup_runs"], f["lookup_valid"], f["draft_mass"]
         except (OSError, ValueError, KeyError):
             pass  # unreadable, or of another head or target (a retrained head in the same folder): measured below
     path = os.path.join(cache_folder(), f"draft-ranks-{head}-{_calibration_digest()}.npz")
     if os.path.isfile(path):
         try:
             with np.load(path) as f:
-                return f["ranks"], f["lookup_runs"], f["draft_mass"]
+                return f["ranks"], f["lookup_runs"], f["lookup_valid"], f["draft_mass"]
         except (OSError, ValueError, KeyError):
             pass
-    ranks, runs, mass = _measure_draft_ranks(target, drafter, params)
+    ranks, runs, valid, mass = _measure_draft_ranks(target, drafter, params)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.savez(path, ranks=ranks, lookup_runs=runs, draft_mass=mass)
-    return ranks, runs, mass
+    np.savez(path, ranks=ranks, lookup_runs=runs, lookup_valid=valid, draft_mass=mass)
+    return ranks, runs, valid, mass
 
 
 def _head_digest(target: LoadedModel, params) -> str:
@@ -607,8 +611,8 @@ def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
     """Measures an EAGLE head's ranks on the calibration prompts and stores them in its drafter folder, so that
     --budget auto needs no calibration run on first use. Returns the file's path."""
     path = os.path.join(folder, DRAFT_RANKS_FILE)
-    ranks, runs, mass = _measure_draft_ranks(target, drafter, params)
-    np.savez(path, ranks=ranks, lookup_runs=runs, draft_mass=mass, target=target.fingerprint(),
+    ranks, runs, valid, mass = _measure_draft_ranks(target, drafter, params)
+    np.savez(path, ranks=ranks, lookup_runs=runs, lookup_valid=valid, draft_mass=mass, target=target.fingerprint(),
              calibration=_calibration_digest(), head=_head_digest(target, params))
     return path
 
@@ -704,7 +708,7 @@ def _measure_budget_taus(target: LoadedModel, drafter, params, budgets) -> dict[
 
 def _measure_draft_ranks(target: LoadedModel, drafter, params):
     from jaxspec.drafters.eagle import draft_statistics
-    from jaxspec.drafters.prompt_lookup import lookup_runs
+    from jaxspec.drafters.prompt_lookup import lookup_statistics
 
     prompts = _calibration_prompts(target)
     answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS).token_ids
@@ -716,4 +720,5 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     ranks, mass = draft_statistics(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
                                    starts, CALIBRATION_DEPTH, CALIBRATION_TOP_K,
                                    head_cfg=drafter.head_config(target.config))  # [P, D], [P, D, K]
-    return ranks, lookup_runs(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM), mass  # [P] runs
+    runs, valid = lookup_statistics(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM)  # [P] each
+    return ranks, runs, valid, mass

@@ -60,7 +60,7 @@ def choices_parents(choices: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndar
     return np.array(parents, np.int32), np.array(ranks, np.int32)
 
 
-def merge_chain(tree: DraftTree, tokens: jax.Array, valid: jax.Array) -> DraftTree:
+def merge_chain(tree: DraftTree, tokens: jax.Array, valid: jax.Array, spares: jax.Array | None = None) -> DraftTree:
     """A tree with a chain of other candidates merged in as a trie (EAGLE with prompt-lookup candidates).
 
     The chain's nodes follow the tree's (T + K nodes, parents still before children). Its first token hangs under
@@ -68,8 +68,13 @@ def merge_chain(tree: DraftTree, tokens: jax.Array, valid: jax.Array) -> DraftTr
     parent, that node stands for it (the chain node is marked invalid: never accepted, no duplicate sibling) and the
     chain goes on under it. So at T=0 the accepted path is the longer of the tree's and the chain's.
 
+    The slots past the chain's valid end (no match, or the context ends) would be verified for nothing: with
+    `spares`, more children of the root fill them in order (an EAGLE head's next-ranked first tokens), a spare equal
+    to the chain's kept first token left invalid. Slots of chain tokens the tree already holds are not refilled.
+
     Args:
-        tree: the drafter's tree, T nodes; tokens: int32[B, K] the chain; valid: bool[B, K] (False from its end on).
+        tree: the drafter's tree, T nodes; tokens: int32[B, K] the chain; valid: bool[B, K] (False from its end on);
+        spares: int32[B, K] or None: root children for the slots past the chain's end.
     Returns:
         DraftTree with T + K nodes, draft_probs None (every candidate chosen deterministically).
     """
@@ -84,9 +89,20 @@ def merge_chain(tree: DraftTree, tokens: jax.Array, valid: jax.Array) -> DraftTr
         parents.append(attach)
         keep.append(valid[:, i] & ~found)
         attach = jnp.where(found, jnp.argmax(same, axis=1).astype(jnp.int32), jnp.int32(t + i))
-    return DraftTree(tokens=jnp.concatenate([tree.tokens, tokens.astype(tree.tokens.dtype)], axis=1),
-                     parents=jnp.concatenate([tree.parents, jnp.stack(parents, axis=1)], axis=1),
-                     valid=jnp.concatenate([tree.valid, jnp.stack(keep, axis=1)], axis=1))
+    chain_tokens = tokens.astype(tree.tokens.dtype)  # [B, K]
+    chain_parents, chain_keep = jnp.stack(parents, axis=1), jnp.stack(keep, axis=1)  # [B, K] each
+    if spares is not None:
+        past_end = ~valid  # [B, K]: a suffix (valid is a chain's)
+        spare = jnp.take_along_axis(spares.astype(chain_tokens.dtype),
+                                    jnp.maximum(jnp.cumsum(past_end, axis=1) - 1, 0), axis=1)  # [B, K], in order
+        first_kept = chain_keep[:, :1] & (chain_parents[:, :1] == -1)  # [B, 1]: the chain's first token is a child
+        spare_ok = ~(first_kept & (spare == chain_tokens[:, :1]))  # [B, K]: no duplicate of it
+        chain_tokens = jnp.where(past_end, spare, chain_tokens)
+        chain_parents = jnp.where(past_end, -1, chain_parents)
+        chain_keep = jnp.where(past_end, spare_ok, chain_keep)
+    return DraftTree(tokens=jnp.concatenate([tree.tokens, chain_tokens], axis=1),
+                     parents=jnp.concatenate([tree.parents, chain_parents], axis=1),
+                     valid=jnp.concatenate([tree.valid, chain_keep], axis=1))
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:

@@ -253,6 +253,22 @@ def test_choose_tree_picks_the_argmax_of_its_own_throughput_model():
     assert [r["tokens_per_second"] for r in rows] == pytest.approx(by_hand)
     assert shape == TREE_SHAPES[int(np.argmax(by_hand))] and shape.lookup > 0
     assert " lookup " in format_tree_table(rows).splitlines()[0]
+    # with the chain's valid lengths: where it is short of a shape's chain, the slots past its end hold the head's
+    # next-ranked first tokens, so a first draft ranked below top_k plus those slots is kept as well
+    valid = np.where(runs > 0, 12, rng.integers(0, 4, 400))  # [P]: no match (0) or a short one where nothing kept
+    shape, rows = choose_tree(cost, 1, ranks, draft, lookup_runs=runs, lookup_valid=valid)
+    by_hand = []
+    for s in TREE_SHAPES:
+        kept = np.cumprod(ranks[:, : s.depth] < s.top_k, axis=1).sum(axis=1)
+        if s.lookup:
+            spare_slots = s.lookup - np.minimum(valid, s.lookup)
+            kept = np.maximum(np.maximum(kept, ranks[:, 0] < s.top_k + spare_slots), np.minimum(runs, s.lookup))
+        by_hand.append((1 + kept.mean()) / (cost.verify_seconds(1, s.num_nodes + s.lookup + 1) + 1e-4 * s.depth))
+    assert [r["tokens_per_second"] for r in rows] == pytest.approx(by_hand)
+    assert shape == TREE_SHAPES[int(np.argmax(by_hand))]
+    credited = [r["tau"] for r in rows if r["shape"].lookup]
+    uncredited = [r["tau"] for r in choose_tree(cost, 1, ranks, draft, lookup_runs=runs)[1] if r["shape"].lookup]
+    assert all(a >= b for a, b in zip(credited, uncredited)) and sum(credited) > sum(uncredited) + 0.5
     with pytest.raises(UserError, match="batch size"):
         choose_tree(cost, 0, ranks, draft)
 

@@ -666,33 +666,37 @@ def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeyp
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
     measured = np.full((3, methods.CALIBRATION_DEPTH), 7)  # [P, D]
     runs = np.array([0, 2, 5])  # [P]: the prompt-lookup runs at the same positions
+    valid = np.array([4, 6, 12])  # [P]: its valid tokens there
     mass = np.full((3, methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K), 0.25)  # [P, D, K]
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured, runs, mass))
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured, runs, valid, mass))
     stored = np.arange(2 * methods.CALIBRATION_DEPTH).reshape(2, -1)  # [P, D]
-    stored_runs = np.array([1, 3])
+    stored_runs, stored_valid = np.array([1, 3]), np.array([2, 12])
     stored_mass = np.full((2, methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K), 0.5)
     path = tmp_path / methods.DRAFT_RANKS_FILE
     params = {"w": np.zeros(3)}
     head = methods._head_digest(model, params)
 
     def read(p=params):
-        ranks, lookup, probability_mass = methods.measured_draft_ranks(model, None, p, str(tmp_path))
-        return ranks.tolist(), lookup.tolist(), probability_mass.tolist()
+        return tuple(x.tolist() for x in methods.measured_draft_ranks(model, None, p, str(tmp_path)))
 
-    np.savez(path, ranks=stored, lookup_runs=stored_runs, draft_mass=stored_mass, target=model.fingerprint(),
-             calibration=methods._calibration_digest(), head=head)
-    assert read() == (stored.tolist(), stored_runs.tolist(), stored_mass.tolist())
-    np.savez(path, ranks=stored, lookup_runs=stored_runs, draft_mass=stored_mass, target="another target",
-             calibration=methods._calibration_digest(), head=head)
-    assert read() == (measured.tolist(), runs.tolist(), mass.tolist())
-    np.savez(path, ranks=stored, lookup_runs=stored_runs, target=model.fingerprint(),
-             calibration=methods._calibration_digest(), head=head)
-    assert read() == (measured.tolist(), runs.tolist(), mass.tolist())  # a file of before the masses: measured
+    def stored_file(**fields):
+        np.savez(path, ranks=stored, calibration=methods._calibration_digest(), head=head, **fields)
+
+    stored_file(lookup_runs=stored_runs, lookup_valid=stored_valid, draft_mass=stored_mass, target=model.fingerprint())
+    assert read() == (stored.tolist(), stored_runs.tolist(), stored_valid.tolist(), stored_mass.tolist())
+    expected = (measured.tolist(), runs.tolist(), valid.tolist(), mass.tolist())
+    stored_file(lookup_runs=stored_runs, lookup_valid=stored_valid, draft_mass=stored_mass, target="another target")
+    assert read() == expected
+    stored_file(lookup_runs=stored_runs, lookup_valid=stored_valid, target=model.fingerprint())
+    assert read() == expected  # a file of before the masses: measured
+    stored_file(lookup_runs=stored_runs, draft_mass=stored_mass, target=model.fingerprint())
+    assert read() == expected  # a file of before the valid counts: measured
     assert methods.save_draft_ranks(str(tmp_path), model, None, params) == str(path)  # writes `measured`
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured + 1, runs + 1, mass / 2))
-    assert read() == (measured.tolist(), runs.tolist(), mass.tolist())
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured + 1, runs + 1, valid - 1, mass / 2))
+    assert read() == expected
     retrained = {"w": np.ones(3)}  # another head in the same folder: its own ranks, not the stored ones
-    assert read(retrained) == ((measured + 1).tolist(), (runs + 1).tolist(), (mass / 2).tolist())
+    assert read(retrained) == ((measured + 1).tolist(), (runs + 1).tolist(), (valid - 1).tolist(),
+                               (mass / 2).tolist())
 
 
 def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
@@ -738,10 +742,11 @@ def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
 def test_lookup_runs_and_ranks_predict_each_round_of_a_real_merged_tree(smollm2):
     """With a prompt-lookup chain merged into the head's chain (Eagle3Drafter.lookup_depth), each round of a real
     greedy run accepts exactly the longer of the head's leading rank-0 steps (`draft_ranks`) and the lookup chain's
-    run (`lookup_runs`, capped at its length): the model `--budget auto` chooses by. Greedy output equals
-    autoregressive decoding. Shipped EAGLE-3 head; a prompt whose answer repeats its own text."""
+    run (`lookup_statistics`, capped at its length), where the chain's slots past its end hold the head's next-ranked
+    first tokens (a first draft of rank below 1 + those slots is kept): the model `--budget auto` chooses by. Greedy
+    output equals autoregressive decoding. Shipped EAGLE-3 head; a prompt whose answer repeats its own text."""
     from jaxspec.drafters.eagle import draft_ranks
-    from jaxspec.drafters.prompt_lookup import lookup_runs
+    from jaxspec.drafters.prompt_lookup import lookup_statistics
     from jaxspec.methods import MethodOptions, build_method
     from jaxspec.tokenizer import encode_prompt
 
@@ -758,19 +763,21 @@ def test_lookup_runs_and_ranks_predict_each_round_of_a_real_merged_tree(smollm2)
     args = (np.array([text]), np.array([len(text)]), np.array([len(prompt)]))
     ranks = draft_ranks(method.params, smollm2.weights, smollm2.config, method.drafter.target_layers, *args,
                         depth)  # [P, depth]
-    runs = lookup_runs(*args, lookup)  # [P]
-    assert len(runs) == len(ranks) == len(text) - len(prompt) - 1
-    root, checked, by_lookup = len(prompt) - 1, 0, 0
+    runs, valid = lookup_statistics(*args, lookup)  # [P] each
+    assert len(runs) == len(valid) == len(ranks) == len(text) - len(prompt) - 1
+    root, checked, by_lookup, by_spare = len(prompt) - 1, 0, 0, 0
     for accepted in run.accepted[0]:
         if root + 1 + depth + lookup >= len(text):
             break  # the run's end cut this round short
         p = root - (len(prompt) - 1)
         head = int(np.cumprod(ranks[p] == 0).sum())
-        assert accepted == max(head, int(runs[p])), f"round at root {root + 1}"
+        spare = int(0 < ranks[p, 0] < 1 + lookup - valid[p])  # the head's first draft kept in a spare slot
+        assert accepted == max(head, spare, int(runs[p])), f"round at root {root + 1}"
         by_lookup += int(runs[p]) > head
+        by_spare += spare > max(head, int(runs[p]))
         root += accepted + 1
         checked += 1
-    assert checked >= 8 and by_lookup >= 2  # the lookup chain does carry rounds: the check has teeth
+    assert checked >= 8 and by_lookup >= 2 and by_spare >= 1  # the chain and the spares carry rounds: teeth
 
 
 def test_auto_tree_merges_a_lookup_chain_at_t0_only(tiny_llama3):
@@ -812,6 +819,16 @@ def test_merge_chain_builds_a_trie_without_duplicate_siblings():
     assert merged.parents.tolist() == [[-1, 0, -1, -1, 0, 4], [-1, 0, -1, -1, 0, 1], [-1, 0, -1, -1, 2, 4]]
     assert merged.valid.tolist() == [[True, True, True, False, True, True], [True, True, True, False, False, True],
                                      [True, True, True, False, True, False]]
+    # the slots past the chain's end take spare root children in order; one equal to the chain's kept first token
+    # is left invalid (row 2's chain token 7 is node 2: not refilled; row 0 has no match at all)
+    valid = jnp.array([[False, False, False], [True, False, False], [True, True, False]])
+    spares = jnp.array([[11, 12, 13], [10, 9, 14], [15, 16, 17]])  # ranked below the tree's
+    chain = jnp.array([[0, 0, 0], [9, 0, 0], [7, 8, 0]])
+    merged = merge_chain(tree, chain, valid, spares)
+    assert merged.tokens.tolist() == [[5, 6, 7, 11, 12, 13], [5, 6, 7, 9, 10, 9], [5, 6, 7, 7, 8, 15]]
+    assert merged.parents.tolist() == [[-1, 0, -1, -1, -1, -1], [-1, 0, -1, -1, -1, -1], [-1, 0, -1, -1, 2, -1]]
+    assert merged.valid.tolist() == [[True, True, True, True, True, True], [True, True, True, True, True, False],
+                                     [True, True, True, False, True, True]]
 
 
 def test_eagle_tree_options_are_checked_before_any_model_loads():

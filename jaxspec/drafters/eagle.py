@@ -516,12 +516,13 @@ def head_forward(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, token
 
 
 def expand_pool(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: KVCache, h_root: jax.Array,
-                depth: int, top_k: int):
+                depth: int, top_k: int, root_logits: jax.Array | None = None):
     """EAGLE-2's expansion: the candidate pool of a dynamic tree.
 
     Args:
         embed: [V, d]; cache: the head's cache with lengths = L (the root's position); h_root: [B, d], the head's
-            output at the last committed pair (its logits give the root's children).
+            output at the last committed pair (its logits give the root's children); root_logits: float32[B, Vd],
+            `head_logits` at h_root when the caller has them already (None: computed here).
     Returns:
         (pool tokens int32[B, M] in target ids, pool parents int32[B, M] (pool index, -1 = root), pool scores
         float32[B, M] cumulative log-probs), M = K + (D - 1) K^2; depth d's candidates follow depth d - 1's.
@@ -532,7 +533,9 @@ def expand_pool(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache:
     m = kk + (depth - 1) * kk * kk
     d2t = draft_to_target(params)  # [Vd]
     lengths = cache.lengths  # [B]
-    scores, ids = jax.lax.top_k(jax.nn.log_softmax(head_logits(params, cfg, h_root), axis=-1), kk)  # [B, K]
+    if root_logits is None:
+        root_logits = head_logits(params, cfg, h_root)  # [B, Vd]
+    scores, ids = jax.lax.top_k(jax.nn.log_softmax(root_logits, axis=-1), kk)  # [B, K]
     pool_scores = jnp.full((b, m), -jnp.inf, jnp.float32).at[:, :kk].set(scores)  # [B, M]
     pool_ids = jnp.zeros((b, m), jnp.int32).at[:, :kk].set(ids)  # [B, M] draft ids
     pool_parents = jnp.full((b, m), -1, jnp.int32)  # [B, M]
@@ -578,13 +581,27 @@ def expand_pool(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache:
     return d2t[pool_ids], pool_parents, pool_scores
 
 
+def ranked_ids(logits: jax.Array, k: int) -> jax.Array:
+    """int32[..., k]: the indices of the k largest logits [..., V], largest first, ties to the lower index (what
+    `jax.lax.top_k` gives), by k argmax passes: for a few ids in a decoding round XLA:CPU may lower `top_k` to a full
+    sort of the vocabulary (1.5 ms for 8,192 draft ids on 2 cores) where the passes take microseconds."""
+    ids = []
+    for _ in range(k):
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [...]
+        ids.append(best)
+        logits = jnp.where(jnp.arange(logits.shape[-1]) == best[..., None], -jnp.inf, logits)
+    return jnp.stack(ids, axis=-1)
+
+
 def draft_tree(params: Eagle3Params, cfg: ModelConfig, embed: jax.Array, cache: KVCache, h_root: jax.Array, *,
-               depth: int, top_k: int, num_nodes: int) -> tuple[DraftTree, jax.Array]:
+               depth: int, top_k: int, num_nodes: int,
+               root_logits: jax.Array | None = None) -> tuple[DraftTree, jax.Array]:
     """The dynamic tree of one round: `expand_pool`, then the best `num_nodes` nodes (`select_nodes`).
+    root_logits: float32[B, Vd] the head's logits at h_root, when the caller has them (see `expand_pool`).
 
     Returns (DraftTree with T = num_nodes, draft_probs None; scores float32[B, T], each node's cumulative log-prob).
     """
-    tokens, parents, scores = expand_pool(params, cfg, embed, cache, h_root, depth, top_k)  # [B, M] each
+    tokens, parents, scores = expand_pool(params, cfg, embed, cache, h_root, depth, top_k, root_logits)  # [B, M]
     keep, tree_parents = select_nodes(scores, parents, num_nodes)  # [B, N]
     tree = DraftTree(tokens=jnp.take_along_axis(tokens, keep, axis=1), parents=tree_parents,
                      valid=jnp.ones(keep.shape, jnp.bool_))
@@ -792,12 +809,16 @@ class Eagle3Drafter(Drafter):
             if self.choices is not None:
                 tree = static_tree(params, target_cfg, embed, cache, h_root, self.choices)
             else:
+                root_logits = head_logits(params, target_cfg, h_root)  # [B, Vd]
                 tree, _ = draft_tree(params, target_cfg, embed, cache, h_root, depth=self.depth, top_k=self.top_k,
-                                     num_nodes=self.num_nodes - self.lookup_depth)
+                                     num_nodes=self.num_nodes - self.lookup_depth, root_logits=root_logits)
         if self.lookup_depth:
             with jax.named_scope("prompt_lookup"):
                 chain, valid = lookup_chain(inputs.history, inputs.lengths, self.lookup_depth, self.lookup_ngram)
-                tree = merge_chain(tree, chain, valid)
+                # the root's next-ranked children, for the chain's slots past its end (none when it matched)
+                ranked = ranked_ids(root_logits, self.top_k + self.lookup_depth)  # [B, top_k + K] draft ids
+                spares = draft_to_target(params)[ranked[:, self.top_k:]]  # [B, K]
+                tree = merge_chain(tree, chain, valid, spares)
         return tree, dataclasses.replace(state, cache=cache, first=jnp.array(False)), inputs.target_cache
 
     def update(self, params, state: HeadState, inputs, verification, acceptance):

@@ -63,10 +63,11 @@ def lookup_chain(history: jax.Array, lengths: jax.Array, depth: int, max_ngram: 
     return tokens, jnp.cumprod(valid, axis=1).astype(jnp.bool_)
 
 
-def lookup_runs(tokens: np.ndarray, lengths: np.ndarray, response_starts: np.ndarray, depth: int,
-                max_ngram: int = 3) -> np.ndarray:
-    """How many tokens of the prompt-lookup chain the target would accept at T=0, at every round root along text
-    the target generated (the positions and order of `jaxspec.drafters.eagle.draft_ranks`).
+def lookup_statistics(tokens: np.ndarray, lengths: np.ndarray, response_starts: np.ndarray, depth: int,
+                      max_ngram: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """What the prompt-lookup chain gives at T=0 at every round root along text the target generated (the positions
+    and order of `jaxspec.drafters.eagle.draft_ranks`): how many of its tokens the target would accept, and how many
+    of them are valid (the others are past the chain's end: no match, or the context ends there).
 
     At column t (the round's root is token t + 1, everything up to it committed) the chain of `lookup_chain` is
     drafted from the text up to the root, and its run is the number of its leading tokens equal to tokens t + 2, ...
@@ -75,11 +76,12 @@ def lookup_runs(tokens: np.ndarray, lengths: np.ndarray, response_starts: np.nda
         tokens: int[R, S] prompts followed by the target's greedy continuations, right-padded; lengths: int[R];
         response_starts: int[R] index of each row's first generated token; depth: the longest chain measured.
     Returns:
-        int64[P] in [0, depth], one per measured position (those of `draft_ranks`).
+        (runs, valid), int64[P] each in [0, depth], one per measured position (those of `draft_ranks`); a shorter
+        chain of k tokens has run min(run, k) and min(valid, k) valid tokens.
     """
     toks = np.asarray(tokens, np.int64)  # [R, S]
     r, s = toks.shape
-    runs = []
+    runs, valids = [], []
     for row in range(r):
         cols = np.arange(max(int(response_starts[row]) - 1, 0), max(int(lengths[row]) - 2, 0))  # [P_row]
         if len(cols) == 0:
@@ -90,7 +92,10 @@ def lookup_runs(tokens: np.ndarray, lengths: np.ndarray, response_starts: np.nda
         wanted = np.where(wanted_at < lengths[row], toks[row, np.minimum(wanted_at, s - 1)], -1)  # [P_row, K]
         hit = np.asarray(valid) & (np.asarray(chain) == wanted)  # [P_row, K]
         runs.append(np.cumprod(hit, axis=1).sum(axis=1))
-    return np.concatenate(runs).astype(np.int64) if runs else np.zeros(0, np.int64)
+        valids.append(np.asarray(valid).sum(axis=1))
+    if not runs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(runs).astype(np.int64), np.concatenate(valids).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
