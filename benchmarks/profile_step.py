@@ -64,6 +64,9 @@ def profile_loop(args) -> None:
         method = build_method(args.method, target, MethodOptions(drafter=args.drafter, budget=args.budget,
                                                                   num_draft_tokens=args.num_draft_tokens))
         drafter = method.drafter_for_batch(b)
+        if drafter is None:
+            raise SystemExit(f"--budget auto chose no draft for {args.method} at batch {b} (plain decoding is expected "
+                             "to be faster): profile --method autoregressive, or give the tree by hand.")
         fn = speculative_generate_tokens
         if args.unstacked:  # the drafter's parameters as the loop runs them beside per-layer weights
             with layers_layout("unstacked"):

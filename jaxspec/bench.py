@@ -154,6 +154,8 @@ def method_k(method: Method, batch_size: int = 1, greedy: bool = True) -> int | 
     if method.drafter is None or method.is_pipeline:
         return None
     drafter = method.drafter_for_batch(batch_size, greedy)
+    if drafter is None:  # --budget auto chose no draft (plain decoding)
+        return 0
     depth, nodes = getattr(drafter, "depth", None), getattr(drafter, "num_nodes", None)
     lookup = getattr(drafter, "lookup_depth", 0)  # EAGLE with a prompt-lookup chain: its nodes reach depth `lookup`
     if depth and nodes:  # a tree of fewer nodes than its depth (a pruned dynamic tree) accepts at most its nodes
@@ -163,8 +165,10 @@ def method_k(method: Method, batch_size: int = 1, greedy: bool = True) -> int | 
 
 def method_nodes(method: Method, batch_size: int = 1, greedy: bool = True) -> int | None:
     """Drafted nodes verified per round (the tree budget) at this batch size; None for autoregressive."""
+    if method.drafter is None or method.is_pipeline:
+        return None
     drafter = method.drafter_for_batch(batch_size, greedy)
-    return None if drafter is None or method.is_pipeline else int(drafter.num_nodes)
+    return 0 if drafter is None else int(drafter.num_nodes)  # 0: --budget auto chose no draft
 
 
 def method_width(method: Method) -> int:
@@ -192,6 +196,8 @@ def _label(method: Method, batch_size: int = 1, greedy: bool = True) -> str:
     """The method label, with N=nodes when a tree's node count is not K x W (EAGLE-2/3) or is a budget (DFlash,
     DDTree, JetSpec)."""
     label = method_label(method.name, method_k(method, batch_size, greedy), method_width(method))
+    if method_k(method, batch_size, greedy) == 0:
+        return f"{label} (no draft)"  # --budget auto chose plain decoding at this batch size
     if method.is_pipeline:
         width = method.drafter.tree_width
         return f"{label} n={method.drafter.num_stages}" + (f" W={width}" if width > 1 else "")
@@ -303,7 +309,7 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
             tau=_finite(metrics.tau(run["accepted"])),
             # tau * L / (Ls * m + L), METHODS.md: drafting cost in target-layer equivalents
             theoretical_speedup=_finite(metrics.theoretical_speedup(
-                metrics.tau(run["accepted"]), cfg.num_layers, method.drafter.draft_cost_layers(cfg))),
+                metrics.tau(run["accepted"]), cfg.num_layers, _draft_layers(method, batch_size, greedy))),
             rounds=sum(len(a) for a in run["accepted"]),
             acceptance_by_position=[_finite(x) for x in metrics.acceptance_by_position(run["accepted"], k)],
             # [K + 1]: rounds that accepted 0, 1, ..., K drafted tokens
@@ -332,6 +338,13 @@ def _summarize(method: Method, run: dict, baseline: dict | None, *, prompt_set: 
         ]
         row.update(matches_autoregressive=not mismatches, mismatched_prompts=mismatches)
     return row
+
+
+def _draft_layers(method: Method, batch_size: int, greedy: bool) -> float:
+    """The drafting work of one round in target layers (Ls * m, METHODS.md) of the drafter that runs at this batch
+    size (--budget auto's choice); 0 where that is no draft."""
+    drafter = method.drafter_for_batch(batch_size, greedy)
+    return 0.0 if drafter is None else float(drafter.draft_cost_layers(method.target.config))
 
 
 def _greedy_warning(row: dict) -> str:
@@ -422,7 +435,8 @@ def run_bench(
                         row = _summarize(method, run, baselines.get(key), prompt_set=set_name,
                                          temperature=float(temperature), batch_size=batch_size,
                                          num_batches=len(batches))
-                        if phases and method.drafter is not None and not method.is_pipeline:
+                        if (phases and method.drafter is not None and not method.is_pipeline
+                                and method.drafter_for_batch(batch_size, temperature == 0) is not None):
                             row["round_ms"] = round_phase_ms(method, batches[0], max_new_tokens=max_new_tokens,
                                                              sampling=sampling, seed=seed, eos_ids=eos_ids)
                         baselines.setdefault(key, row)

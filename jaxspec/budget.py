@@ -532,14 +532,22 @@ class TreeShape:
     def verified_nodes(self) -> int:
         return self.num_nodes + self.lookup
 
+    @property
+    def plain(self) -> bool:
+        """No draft at all: each step verifies the root alone, which is plain decoding (`PLAIN`)."""
+        return self.verified_nodes == 0
+
 
 # Chains of 1 to 6 tokens (small rounds win where verifying many tokens is dear: CPUs) and full depth-2 trees of 2,
 # 3 and 4 children per node (wide rounds win where extra tokens are nearly free: accelerators at small batches);
 # then short chains and small trees with a prompt-lookup chain merged in (it drafts the text's own repeats: code,
 # lists, worked arithmetic), which costs no head forward, only the verified tokens. Lookup chains up to 12: copied
 # code runs long (greedy HumanEval answers: a chain of 8 keeps 1.96 tokens per position on average, 5 keeps 1.43).
+# And no draft at all (`PLAIN`, first, so that a tree must beat it): where every round costs more than the tokens it
+# adds (a CPU at batch 8, or a head that is rarely right), plain decoding is the fastest choice.
+PLAIN = TreeShape(0, 0, 0)
 HEAD_SHAPES = tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(2, k, k + k * k) for k in (2, 3, 4))
-TREE_SHAPES = HEAD_SHAPES + tuple(
+TREE_SHAPES = (PLAIN,) + HEAD_SHAPES + tuple(
     TreeShape(d, 1, d, lookup) for d in range(1, 5) for lookup in (3, 5, 8, 12)) + tuple(
     TreeShape(2, k, k + k * k, 4) for k in (2, 3))
 
@@ -550,7 +558,9 @@ EAGLE_TOKEN_COUNTS = tuple(sorted({1} | {s.num_nodes + 1 for s in HEAD_SHAPES} -
 
 def _check_modelled(shape: TreeShape) -> None:
     """Refuses a shape whose acceptance the tau models do not cover: only chains and full depth-1 or depth-2 trees
-    (every child of every expanded node kept) are exact under them."""
+    (every child of every expanded node kept), and `PLAIN`, are exact under them."""
+    if shape.plain:
+        return
     chain = shape.top_k == 1 and shape.num_nodes == shape.depth
     full_tree = (shape.depth == 1 and shape.num_nodes == shape.top_k) or (
         shape.depth == 2 and shape.num_nodes == shape.top_k + shape.top_k ** 2)
@@ -579,6 +589,8 @@ def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: 
     if ranks.ndim != 2 or ranks.shape[1] < shape.depth or len(ranks) == 0:
         raise UserError(f"Measured draft ranks of shape {ranks.shape} do not cover depth {shape.depth}.")
     _check_modelled(shape)
+    if shape.plain:
+        return 1.0
     inside = ranks[:, : shape.depth] < shape.top_k  # [P, depth]
     accepted = np.cumprod(inside, axis=1).sum(axis=1)  # [P]: drafts kept before the first miss
     if shape.lookup:
@@ -613,6 +625,8 @@ def expected_tokens_sampled(mass: np.ndarray, shape: TreeShape) -> float:
     if shape.lookup:
         raise UserError(f"{shape} merges a prompt-lookup chain, whose acceptance at T > 0 is not modelled.")
     _check_modelled(shape)
+    if shape.plain:
+        return 1.0
     levels = mass[:, : shape.depth, shape.top_k - 1]  # [P, depth]: a level kept given the one above was
     return 1.0 + float(np.cumprod(levels, axis=1).sum(axis=1).mean())
 
@@ -628,7 +642,8 @@ def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: C
     `lookup_runs` and `lookup_valid` (`expected_tokens_per_round`; without runs those shapes are left out); for a
     sampled run (T > 0) pass `draft_mass`: tau then comes from the target's probabilities of the head's candidates
     (`expected_tokens_sampled`) and the lookup shapes are left out. Each row also gives the expected speedup over
-    plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s).
+    plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s). `PLAIN` among the shapes (it
+    is the first of TREE_SHAPES) is that plain decoding itself: chosen when no tree is expected to beat it.
 
     Returns:
         (chosen shape, rows): one dict per shape with "shape", "tau", "verify_seconds", "draft_seconds",
@@ -680,6 +695,8 @@ def eagle_draft_seconds(cost: CostModel, batch: int, shape: TreeShape, *, target
     def per_weight(tokens: int) -> float:  # seconds per weight of a product over `tokens` tokens per row
         return cost.verify_seconds(batch, tokens) / target_work
 
+    if shape.plain:
+        return 0.0  # no head runs
     absorb = (layer_work + fuse_work) * per_weight(shape.verified_nodes + 1) + vocab_work * per_weight(1)
     return absorb + (shape.depth - 1) * (layer_work + vocab_work) * per_weight(shape.top_k)
 

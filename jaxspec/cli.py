@@ -222,8 +222,7 @@ def _generate(args, model, prompts: list[str], prompt_ids: list[list[int]], samp
                     row_accepted = result.accepted[i]
                     stats.update(rounds=result.rounds[i], tau=round(tau([row_accepted]), 3) if row_accepted else None,
                                  accepted_per_round=row_accepted,
-                                 draft_nodes_per_round=method.drafter_for_batch(
-                                     len(rows), greedy=sampling.temperature == 0).num_nodes)
+                                 draft_nodes_per_round=result.num_draft_nodes)
                 if ar_result is not None:
                     ar_rate = sum(map(len, ar_result.token_ids)) / ar_result.seconds  # the whole batch's rate
                     rate = sum(map(len, result.token_ids)) / result.seconds

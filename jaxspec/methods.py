@@ -20,7 +20,7 @@ from jaxspec.generate import GenerationResult, generate
 from jaxspec.loading import LoadedModel, load_model
 from jaxspec.registry import METHOD_SPECS, OPTION_FLAGS, MethodSpec, method_names, method_spec
 from jaxspec.sampling import GREEDY, SamplingConfig
-from jaxspec.speculative import speculative_generate
+from jaxspec.speculative import SpeculativeResult, speculative_generate
 
 METHODS = tuple(METHOD_SPECS)  # every --method name, in registry order
 LEARNED_METHODS = method_names(learned=True)  # those that read a drafter checkpoint
@@ -96,12 +96,16 @@ class Method:
         return isinstance(self.drafter, PipelineDrafter)
 
     def drafter_for_batch(self, batch: int, greedy: bool = True):
-        """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks.
-        greedy: whether the run decodes at T=0 (the EAGLE trees' prompt-lookup shapes are chosen only then)."""
+        """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks, or
+        for the EAGLE trees the shape `jaxspec.budget.choose_tree` picks; None where that is no draft at all (plain
+        decoding is expected to be the fastest: `generate` then decodes plainly). greedy: whether the run decodes at
+        T=0 (the EAGLE trees' prompt-lookup shapes are chosen only then)."""
         if self.cost_model is None or self.drafter is None:
             return self.drafter
         if self.tree_ranks is not None:
             shape = self.auto_tree(batch, greedy)[0]
+            if shape.plain:
+                return None
             return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k,
                                        num_nodes=shape.verified_nodes, lookup_depth=shape.lookup)
         return dataclasses.replace(self.drafter, budget=self.auto_budget(batch)[0])
@@ -151,6 +155,8 @@ class Method:
             shape, rows = self.auto_tree(batch, greedy)
             lookup = f" + a prompt-lookup chain of {shape.lookup}" if shape.lookup else ""
             chosen = f"depth {shape.depth}, top_k {shape.top_k}, {shape.num_nodes} nodes{lookup}"
+            if shape.plain:
+                chosen = "no draft: plain decoding (no tree is expected to beat it here)"
             return chosen, format_tree_table(rows), [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows]
         budget, rows = self.auto_budget(batch)
         return f"budget {budget}", format_budget_table(rows), rows
@@ -186,7 +192,17 @@ class Method:
             return pipeline_generate(t.weights, t.config, self.drafter, self.params, prompt_ids, mesh=self.mesh,
                                      **kwargs)
         drafter = self.drafter_for_batch(len(prompt_ids), greedy=sampling.temperature == 0)
+        if drafter is None:  # --budget auto chose no draft: plain decoding, one token a step
+            return plain_rounds(generate(t.weights, t.config, prompt_ids, mesh=self.mesh, **kwargs))
         return speculative_generate(t.weights, t.config, drafter, self.params, prompt_ids, mesh=self.mesh, **kwargs)
+
+
+def plain_rounds(result: GenerationResult) -> SpeculativeResult:
+    """Plain decoding's result as speculative rounds that draft nothing: after the prefill's token, one round (a
+    decoding step) per token, each accepting 0 drafts (tau 1)."""
+    return SpeculativeResult(token_ids=result.token_ids, seconds=result.seconds,
+                             rounds=[max(len(ids) - 1, 0) for ids in result.token_ids],
+                             accepted=[[0] * max(len(ids) - 1, 0) for ids in result.token_ids], num_draft_nodes=0)
 
 
 def parameter_count(tree) -> int:

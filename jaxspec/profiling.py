@@ -94,6 +94,8 @@ def round_phase_ms(method, rows: Sequence[Sequence[int]], *, max_new_tokens: int
         raise ValueError(f"{method.name} does not run the speculative loop's rounds")
     target = method.target
     drafter = method.drafter_for_batch(len(rows), sampling.temperature == 0)
+    if drafter is None:
+        raise ValueError(f"{method.name}'s --budget auto chose no draft at batch {len(rows)}: there are no rounds")
     args, kwargs = loop_arguments(target.weights, target.config, drafter, method.params, rows,
                                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
                                   max_cache_length=None, mesh=method.mesh)

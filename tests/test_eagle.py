@@ -798,8 +798,39 @@ def test_auto_tree_merges_a_lookup_chain_at_t0_only(tiny_llama3):
     greedy, sampled = method.drafter_for_batch(1), method.drafter_for_batch(1, greedy=False)
     # the shortest lookup chain of TREE_SHAPES (3, 5, 8, 12) that keeps all 6, under the cheapest head chain
     assert greedy.lookup_depth == 8 and greedy.num_nodes == method.auto_tree(1)[0].verified_nodes == 9
-    assert sampled.lookup_depth == 0 and all(not r["shape"].lookup for r in method.auto_tree(1, greedy=False)[1])
+    # sampled: no lookup shapes, and a head that is never right pays for no tree: plain decoding
+    assert sampled is None and all(not r["shape"].lookup for r in method.auto_tree(1, greedy=False)[1])
     assert "prompt-lookup chain of 8" in method.auto_table(1)[0]
+
+
+def test_auto_tree_chooses_plain_decoding_when_no_tree_pays(tiny_llama3):
+    """--budget auto weighs plain decoding (jaxspec.budget.PLAIN) beside the trees: where every tree is expected to
+    be slower (a head rarely right, each verified token dear) it drafts nothing, and generate decodes plainly: the
+    same tokens as autoregressive decoding, reported as rounds of one token (tau 1). Where the head is right, a tree."""
+    from jaxspec.bench import _label, method_k
+    from jaxspec.budget import EAGLE_TOKEN_COUNTS, PLAIN, CostModel
+    from jaxspec.methods import Method
+
+    cfg_t, model, _ = tiny_llama3
+    cfg, params = _head(model)
+    counts = list(EAGLE_TOKEN_COUNTS)
+    cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                     seconds=[[1e-2 + 5e-3 * (t - 1) for t in counts]])  # each verified token: half a step more
+    rarely = np.where(np.arange(100)[:, None] < 20, 0, 5) * np.ones((1, 6), int)  # [P, D]: right at 20% of positions
+    method = Method(name="eagle3", drafter=cfg.make_drafter(), params=params, target=model, cost_model=cost,
+                    tree_ranks=rarely)
+    shape, rows = method.auto_tree(1)
+    assert shape == PLAIN and rows[0]["shape"] == PLAIN and rows[0]["chosen"]
+    assert rows[0]["speedup"] == pytest.approx(1.0) and all(r["speedup"] < 1 for r in rows[1:])
+    assert method.drafter_for_batch(1) is None and "no draft" in method.auto_table(1)[0]
+    assert method_k(method) == 0 and _label(method) == "eagle3 K=0 (no draft)"
+    prompts = [[1, 5, 9, 2], [3, 3, 7]]
+    result = method.generate(prompts, max_new_tokens=8, eos_ids=())
+    assert result.token_ids == generate(model.weights, model.config, prompts, max_new_tokens=8, eos_ids=()).token_ids
+    assert result.tau == 1.0 and result.rounds == [7, 7] and result.accepted == [[0] * 7, [0] * 7]
+    often = np.where(np.arange(100)[:, None] < 90, 0, 5) * np.ones((1, 6), int)  # right at 90%: a chain pays
+    method = dataclasses.replace(method, tree_ranks=often)
+    assert not method.auto_tree(1)[0].plain and method.drafter_for_batch(1) is not None
 
 
 def test_merge_chain_builds_a_trie_without_duplicate_siblings():
