@@ -463,7 +463,8 @@ def choose_budget(
     Args:
         cost: the device's verification cost model.
         batch: rows decoded together.
-        budgets: candidate numbers of drafted nodes per round.
+        budgets: candidate numbers of drafted nodes per round; 0 is plain decoding (no draft, tau 1), which a
+            method includes so that a tree is chosen only where it is expected to beat plain decoding.
         tau: expected tokens per round at budget B: None (`tau_model`), a gain for `tau_model`, a callable B -> tau,
             or a dict {B: measured tau} (other budgets interpolated in log2(B), held flat past the ends).
         draft_seconds: (batch, B) -> seconds of drafting per round; None for 0.
@@ -475,16 +476,17 @@ def choose_budget(
     if batch < 1:
         raise UserError(f"The batch size must be at least 1 to choose a tree budget; got {batch}.")
     budgets = sorted(set(int(b) for b in budgets))
-    if not budgets or budgets[0] < 1:
-        raise UserError(f"Candidate tree budgets must be a non-empty list of positive integers; got {budgets}.")
+    if not budgets or budgets[0] < 0:
+        raise UserError(f"Candidate tree budgets must be a non-empty list of integers >= 0 (0: plain decoding); got "
+                        f"{budgets}.")
     tau_of = _tau_function(tau)
     rows = []
     for budget in budgets:
-        expected = float(tau_of(budget))
+        expected = 1.0 if budget == 0 else float(tau_of(budget))  # plain decoding: one token a step
         if not expected > 0:
             raise UserError(f"tau at budget {budget} is {expected}; expected tokens per round must be positive.")
         verify = cost.verify_seconds(batch, budget + 1)
-        draft = 0.0 if draft_seconds is None else float(draft_seconds(batch, budget))
+        draft = 0.0 if draft_seconds is None or budget == 0 else float(draft_seconds(batch, budget))
         rows.append({
             "budget": budget,
             "tau": expected,

@@ -108,7 +108,8 @@ class Method:
                 return None
             return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k,
                                        num_nodes=shape.verified_nodes, lookup_depth=shape.lookup)
-        return dataclasses.replace(self.drafter, budget=self.auto_budget(batch)[0])
+        budget = self.auto_budget(batch)[0]
+        return None if budget == 0 else dataclasses.replace(self.drafter, budget=budget)
 
     def _cost_model_at(self, batch: int, token_counts):
         """The cost model, measured at this batch size first when it was not yet (once per device: batch 1 when the
@@ -159,18 +160,20 @@ class Method:
                 chosen = "no draft: plain decoding (no tree is expected to beat it here)"
             return chosen, format_tree_table(rows), [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows]
         budget, rows = self.auto_budget(batch)
-        return f"budget {budget}", format_budget_table(rows), rows
+        chosen = f"budget {budget}" if budget else "no draft: plain decoding (no budget is expected to beat it here)"
+        return chosen, format_budget_table(rows), rows
 
     def auto_budget(self, batch: int) -> tuple[int, list[dict]]:
         """(budget, table) of --budget auto at this batch size: the budget with the highest expected tokens/s from the
         device's cost model and the head's measured tokens per round at each budget (`budget_taus`; greedy, also
         used for sampled rounds). Drafting is costed on the same cost model as the head's forwards a round, each
         reading all of the head's weights (its layer, fusion and LM head over the draft vocabulary: 2.8 target
-        layers for the SmolLM2 heads), in proportion to the target's layers."""
+        layers for the SmolLM2 heads), in proportion to the target's layers. Budget 0, plain decoding, is one of the
+        choices (`drafter_for_batch` then returns None)."""
         from jaxspec.budget import choose_budget
 
         cost, cfg, drafter = self._cost_model_at(batch, BUDGET_TOKEN_COUNTS), self.target.config, self.drafter
-        budgets = auto_budgets(drafter, self.spec)
+        budgets = [0] + auto_budgets(drafter, self.spec)
         head_in_layers = parameter_count(self.params) / (parameter_count(self.target.weights.layers) / cfg.num_layers)
 
         def draft_seconds(rows: int, budget: int) -> float:

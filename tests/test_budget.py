@@ -109,6 +109,16 @@ def test_tau_forms_draft_time_and_ties():
     assert [r["tokens_per_second"] for r in rows[:3]] == pytest.approx([2.0 / 1.8e-3, 2.4 / 2.6e-3, 2.7 / 4.2e-3])
 
 
+def test_budget_0_is_plain_decoding():
+    """Budget 0 is plain decoding (tau 1, no drafting, one token verified): chosen when no budget beats it."""
+    cost = _hand_made_costs()
+    chosen, rows = choose_budget(cost, 16, budgets=(0, 8, 16), tau={8: 1.2, 16: 1.3}, draft_seconds=lambda b, n: 1e-3)
+    assert rows[0]["budget"] == 0 and rows[0]["tau"] == 1.0
+    assert rows[0]["tokens_per_second"] == pytest.approx(16 / cost.verify_seconds(16, 1))
+    assert chosen == 0 and rows[0]["chosen"]
+    assert choose_budget(cost, 1, budgets=(0, 8, 16), tau={8: 2.0, 16: 2.4})[0] == 16
+
+
 def test_user_errors():
     cost = _hand_made_costs()
     with pytest.raises(UserError, match="batch size"):
@@ -116,7 +126,7 @@ def test_user_errors():
     with pytest.raises(UserError, match="budgets"):
         choose_budget(cost, 1, budgets=())
     with pytest.raises(UserError, match="budgets"):
-        choose_budget(cost, 1, budgets=(8, 0))
+        choose_budget(cost, 1, budgets=(8, -1))
     with pytest.raises(UserError, match="taus are empty"):
         choose_budget(cost, 1, tau={})
     with pytest.raises(UserError, match="tau must be"):
