@@ -19,6 +19,9 @@
 #   OUT=data/regen-smollm2-135m-codemath FIRST_PROMPT=2916 TOPICS=code,math bash scripts/regenerate_data.sh
 # and the rest of those prompts, without overlap (the first folder stops at shard 32: do not resume it past there):
 #   OUT=data/regen-smollm2-135m-other FIRST_PROMPT=2916 TOPICS=other bash scripts/regenerate_data.sh
+# Those folders trained stages 7-9 (the "other" one reached prompt 6631). The next data, prompts no head has seen
+# (started 2026-12-07 on the Intel Xeon; resume it with the same command):
+#   OUT=data/regen-smollm2-135m-p7000 FIRST_PROMPT=7000 BATCH=256 bash scripts/regenerate_data.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-data/regen-smollm2-135m-b64}

@@ -762,7 +762,8 @@ class Eagle3Drafter(Drafter):
     num_nodes: int = 16  # the drafted nodes verified per round, the prompt-lookup chain's included
     choices: tuple[tuple[int, ...], ...] | None = None  # a static tree (EAGLE-1) instead of the dynamic one
     # a prompt-lookup chain of this many tokens merged into the head's tree (`jaxspec.tree.merge_chain`): the head
-    # drafts num_nodes - lookup_depth nodes, the text's own repeats the rest; 0: the head alone
+    # drafts num_nodes - lookup_depth nodes, the text's own repeats the rest (where the chain runs out, the head's
+    # next-ranked first tokens); 0: the head alone
     lookup_depth: int = 0
     lookup_ngram: int = 3  # the longest n-gram the lookup matches
     rope_theta: float | None = None  # the head's own RoPE and epsilon (None: the target's; Eagle3Config)
