@@ -95,8 +95,8 @@ def merge_chain(tree: DraftTree, tokens: jax.Array, valid: jax.Array, spares: ja
         past_end = ~valid  # [B, K]: a suffix (valid is a chain's)
         spare = jnp.take_along_axis(spares.astype(chain_tokens.dtype),
                                     jnp.maximum(jnp.cumsum(past_end, axis=1) - 1, 0), axis=1)  # [B, K], in order
-        first_kept = chain_keep[:, :1] & (chain_parents[:, :1] == -1)  # [B, 1]: the chain's first token is a child
-        spare_ok = ~(first_kept & (spare == chain_tokens[:, :1]))  # [B, K]: no duplicate of it
+        # [B, K]: no duplicate of the chain's first token where it is kept (a root child: it hangs under the root)
+        spare_ok = ~(chain_keep[:, :1] & (spare == chain_tokens[:, :1]))
         chain_tokens = jnp.where(past_end, spare, chain_tokens)
         chain_parents = jnp.where(past_end, -1, chain_parents)
         chain_keep = jnp.where(past_end, spare_ok, chain_keep)
