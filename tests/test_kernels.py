@@ -41,14 +41,14 @@ def _custom_calls(columns: int) -> int:
 def test_feature_major_products_use_the_kernel_for_the_columns_chosen(monkeypatch):
     _kernel_or_skip()
     try:
-        for setting, served in [("16", range(2, 17)), ("3", range(2, 4)), ("off", ())]:
+        for setting, served in [("16", range(1, 17)), ("3", range(1, 4)), ("off", ())]:
             monkeypatch.setenv(kernels.ENV, setting)
             kernels.small_product_columns.cache_clear()
             for n in range(1, 19):
                 assert _custom_calls(n) == (1 if n in served else 0), (setting, n)
         monkeypatch.setenv(kernels.ENV, "seventeen")
         kernels.small_product_columns.cache_clear()
-        with pytest.raises(UserError, match="column count from 2 to 16"):
+        with pytest.raises(UserError, match="column count from 1 to 16"):
             kernels.small_product_columns()
     finally:
         kernels.small_product_columns.cache_clear()
@@ -61,7 +61,7 @@ def test_the_columns_are_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(kernels.ENV, "auto")
     calls = []
-    chain = {2: (3.0, 2.0), 3: (3.0, 2.5), 4: (3.0, 3.5), 5: (3.0, 1.0)}  # n -> (xla, kernel) seconds
+    chain = {1: (3.0, 3.1), 2: (3.0, 2.0), 3: (3.0, 2.5), 4: (3.0, 3.5), 5: (3.0, 1.0)}  # n -> (xla, kernel) seconds
 
     def fake_time_chains(matrices, columns, repeats=7):
         calls.append(columns)
@@ -70,10 +70,10 @@ def test_the_columns_are_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_time_chains", fake_time_chains)
     try:
         kernels.small_product_columns.cache_clear()
-        assert kernels.small_product_columns() == {2, 3, 5}  # slower at 4 and from 6 on
-        assert calls == list(range(2, kernels.MAX_COLUMNS + 1))
+        assert kernels.small_product_columns() == {2, 3, 5}  # slower at 1, 4 and from 6 on
+        assert calls == list(range(1, kernels.MAX_COLUMNS + 1))
         kernels.small_product_columns.cache_clear()
-        assert kernels.small_product_columns() == {2, 3, 5} and len(calls) == kernels.MAX_COLUMNS - 1  # the file
+        assert kernels.small_product_columns() == {2, 3, 5} and len(calls) == kernels.MAX_COLUMNS  # the file
     finally:
         kernels.small_product_columns.cache_clear()
 

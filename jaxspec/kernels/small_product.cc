@@ -51,10 +51,36 @@ void row_times_columns(const float* wo, const float* xr, float* yo, int64_t in, 
   }
 }
 
+// The same with 16-wide AVX-512 FMAs, for CPUs that have them (chosen at run time; the library is built for AVX2):
+// half the loads and FMAs per weight, and the row prefetched into L2 (one prefetch per 64-byte line). On the 2-core
+// Xeon (docs/cpu-performance.md) 10-30% faster than the 8-wide loop at 1-8 columns, and faster than XLA's own
+// matrix-vector loop at one column; prefetching into L1, or two rows at a time, were slower.
+template <int G>
+__attribute__((target("avx512f"))) void row_times_columns_512(const float* wo, const float* xr, float* yo, int64_t in,
+                                                               bool prefetch) {
+  const int64_t vec_end = in - in % 16;
+  __m512 acc[G];
+  for (int n = 0; n < G; ++n) acc[n] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wo + i + kPrefetchFloats), _MM_HINT_T1);
+    const __m512 wv = _mm512_loadu_ps(wo + i);
+    for (int n = 0; n < G; ++n) acc[n] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + n * in + i), acc[n]);
+  }
+  for (int n = 0; n < G; ++n) {
+    float sum = _mm512_reduce_add_ps(acc[n]);
+    for (int64_t i = vec_end; i < in; ++i) sum += wo[i] * xr[n * in + i];
+    yo[n] = sum;
+  }
+}
+
 using RowKernel = void (*)(const float*, const float*, float*, int64_t, bool);
 constexpr RowKernel kRowKernels[kGroup + 1] = {
     nullptr, row_times_columns<1>, row_times_columns<2>, row_times_columns<3>, row_times_columns<4>,
     row_times_columns<5>, row_times_columns<6>, row_times_columns<7>, row_times_columns<8>};
+constexpr RowKernel kRowKernels512[kGroup + 1] = {
+    nullptr, row_times_columns_512<1>, row_times_columns_512<2>, row_times_columns_512<3>, row_times_columns_512<4>,
+    row_times_columns_512<5>, row_times_columns_512<6>, row_times_columns_512<7>, row_times_columns_512<8>};
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
 // y[o, :] for o in [o0, o1): each row read from memory once, its columns in passes of up to 8 (the second pass
 // reads the row from L1).
@@ -63,7 +89,7 @@ void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, i
   for (int64_t o = o0; o < o1; ++o) {
     for (int64_t n0 = 0; n0 < columns; n0 += kGroup) {
       const int64_t group = std::min<int64_t>(kGroup, columns - n0);
-      kRowKernels[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, n0 == 0);
+      (kHasAvx512 ? kRowKernels512 : kRowKernels)[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, n0 == 0);
     }
   }
 }
