@@ -40,7 +40,8 @@ from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import ModelConfig
 from jaxspec.errors import UserError
 from jaxspec.generate import decode_step
-from jaxspec.model import LAYERS_ENV, Weights, execution_weights, greedy_tokens
+from jaxspec.model import LAYERS_ENV, Weights, execution_weights, greedy_tokens, output_matrix
+from jaxspec.sampling import SamplingConfig, gumbel_noise
 from jaxspec.tree import DraftTree, chain_parents
 from jaxspec.verification import verify_forward
 
@@ -177,21 +178,32 @@ def device_name(dtype=None, layout: bool = True) -> str:
     return name if dtype is None else f"{name}-{jnp.dtype(dtype).name}"
 
 
-def _verification(weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree):
+def _verification(weights: Weights, cfg: ModelConfig, cache: KVCache, root: jax.Array, tree: DraftTree,
+                  sampled: bool = False):
     """(the target's argmax at the root and every node, int32[B, T+1], cache): a verification at temperature 0 as the
     decoding loop runs it (`greedy_tokens`: on the CPU layout from the LM head's bfloat16 screen), cache updated in
-    place; with no drafted node (T = 0) the autoregressive decoding step instead (what plain decoding runs). A
-    sampled round also makes the full logits: a few milliseconds more at every shape (SmolLM2 on 2 CPU cores: 3)."""
+    place; with no drafted node (T = 0) the autoregressive decoding step instead (what plain decoding runs).
+
+    sampled: as a round at a temperature draws its tokens instead: Gumbel noise [B, T+1, V] made and added to the
+    logits of every position (`jaxspec.sampling.gumbel_noise`; the draw by the Gumbel-max rule of the loops, also of
+    plain decoding's step). That costs per verified row (about 0.3 ms a row for SmolLM2 on 2 CPU cores), which a
+    greedy cost model leaves out."""
+    noise = None
+    if sampled:
+        vocab = output_matrix(weights).shape[0]
+        noise = gumbel_noise(jax.random.key(0), (root.shape[0], tree.tokens.shape[1] + 1, vocab),
+                             SamplingConfig(temperature=1.0))  # [B, T+1, V]
     if tree.tokens.shape[1] == 0:
         kept = jnp.zeros_like(root, jnp.bool_)  # lengths stay
-        best, cache = decode_step(weights, cfg, root, cache, kept, greedy=True)
+        best, cache = decode_step(weights, cfg, root, cache, kept, greedy=True,
+                                  noise=None if noise is None else noise[:, 0])
         return best[:, None], cache
     out = verify_forward(weights, cfg, cache, root, tree, compute_logits=False)
-    return greedy_tokens(weights, cfg, out.last_hidden), out.cache
+    return greedy_tokens(weights, cfg, out.last_hidden, noise), out.cache
 
 
 # The cache is donated, as in the decoding loop: without donation XLA copies the whole cache every call.
-_verification_jit = jax.jit(_verification, static_argnames=("cfg",), donate_argnames=("cache",))
+_verification_jit = jax.jit(_verification, static_argnames=("cfg", "sampled"), donate_argnames=("cache",))
 
 
 def measure_cost_model(
@@ -202,6 +214,7 @@ def measure_cost_model(
     repeats: int = 9,
     progress: bool = True,
     skip: frozenset[tuple[int, int]] = frozenset(),
+    sampled: bool = False,
 ) -> CostModel:
     """Times the target's verification forward on this device for every batch size x token count.
 
@@ -221,6 +234,8 @@ def measure_cost_model(
         repeats: timed calls per shape.
         progress: Show a tqdm bar on stderr.
         skip: (batch size, token count) cells not to measure (already known): None in the result.
+        sampled: time the forwards as a round at a temperature runs them, drawing every position's token with
+            Gumbel noise (`_verification`); the device name then ends in "-sampled" (`cost_device`).
     """
     token_counts = sorted(set(int(t) for t in token_counts) | {1})
     batch_sizes = sorted(b for b in set(int(b) for b in batch_sizes) if any((b, t) not in skip for t in token_counts))
@@ -248,21 +263,21 @@ def measure_cost_model(
                     parents=jnp.broadcast_to(jnp.asarray(chain_parents(num_nodes)), (b, num_nodes)),  # [B, T]
                     valid=jnp.ones((b, num_nodes), jnp.bool_),  # [B, T]
                 )
-                best, cache = _verification_jit(weights, cfg, cache, root, trees[tokens])  # compiles
+                best, cache = _verification_jit(weights, cfg, cache, root, trees[tokens], sampled)  # compiles
                 jax.block_until_ready(best)
                 bar.update(1)
             times = {tokens: [] for tokens in trees}
             for repeat in range(repeats + 1):  # the shapes in turn, so that a drifting host moves them alike
                 for tokens, tree in trees.items():
                     start = time.perf_counter()
-                    best, cache = _verification_jit(weights, cfg, cache, root, tree)
+                    best, cache = _verification_jit(weights, cfg, cache, root, tree, sampled)
                     jax.block_until_ready(best)
                     if repeat > 0:  # the first round warms up (it ran slow right after compiling)
                         times[tokens].append(time.perf_counter() - start)
             seconds.append([statistics.median(times[t]) if t in times else None for t in token_counts])
             del cache
     return CostModel(
-        device=device_name(weights.embed.dtype),
+        device=cost_device(target, sampled),
         model=target.fingerprint(),
         batch_sizes=batch_sizes,
         token_counts=token_counts,
@@ -325,13 +340,20 @@ def _timing_file(kind: str, target, device: str) -> str:
     return os.path.join(cache_folder(), f"{kind}-{safe_device}-{target.fingerprint()}-{forward_code_digest()}.json")
 
 
-def cost_model_path(target, device: str | None = None) -> str:
-    """Where the cost model of `target` on `device` (default: this one, with the weights' dtype) is cached, for the
-    forward's current code (`forward_code_digest`)."""
-    return _timing_file("cost-model", target, device_name(target.weights.embed.dtype) if device is None else device)
+def cost_device(target, sampled: bool = False) -> str:
+    """The device name of `target`'s cost model on this device: `device_name` with the weights' dtype, and "-sampled"
+    for the model of rounds at a temperature (`measure_cost_model(sampled=True)`)."""
+    return device_name(target.weights.embed.dtype) + ("-sampled" if sampled else "")
 
 
-def load_or_measure_cost_model(target, path: str | None = None, progress: bool = True, **measure_kwargs) -> CostModel:
+def cost_model_path(target, device: str | None = None, sampled: bool = False) -> str:
+    """Where the cost model of `target` on `device` (default: this one, `cost_device(target, sampled)`) is cached, for
+    the forward's current code (`forward_code_digest`)."""
+    return _timing_file("cost-model", target, cost_device(target, sampled) if device is None else device)
+
+
+def load_or_measure_cost_model(target, path: str | None = None, progress: bool = True, sampled: bool = False,
+                               **measure_kwargs) -> CostModel:
     """The cached cost model of `target` on this device, measured (and cached) first when there is none.
 
     A cached file is used when it was measured on this device for this target with the same context and covers the
@@ -340,11 +362,12 @@ def load_or_measure_cost_model(target, path: str | None = None, progress: bool =
 
     Args:
         target: a `jaxspec.loading.LoadedModel`.
-        path: the JSON file; default `cost_model_path(target)`.
+        path: the JSON file; default `cost_model_path(target, sampled=sampled)`.
         progress: Show a progress bar while measuring.
+        sampled: the cost model of rounds at a temperature (tokens drawn with Gumbel noise), in a file of its own.
         **measure_kwargs: batch_sizes, token_counts, context, repeats, passed to `measure_cost_model`.
     """
-    path = cost_model_path(target) if path is None else path
+    path = cost_model_path(target, sampled=sampled) if path is None else path
     batch_sizes = measure_kwargs.get("batch_sizes", DEFAULT_BATCH_SIZES)
     token_counts = set(measure_kwargs.get("token_counts", DEFAULT_TOKEN_COUNTS)) | {1}
     context = measure_kwargs.get("context", DEFAULT_CONTEXT)
@@ -355,15 +378,15 @@ def load_or_measure_cost_model(target, path: str | None = None, progress: bool =
         except (OSError, ValueError, TypeError) as e:  # json and UserError are ValueErrors
             print(f"jaxspec: the cost model cache '{path}' is unreadable ({e}); measuring again.", file=sys.stderr)
         else:
-            if (cached.device, cached.model, cached.context) != (device_name(target.weights.embed.dtype),
-                                                                 target.fingerprint(), context):
+            if (cached.device, cached.model, cached.context) != (cost_device(target, sampled), target.fingerprint(),
+                                                                 context):
                 cached = None
             elif cached.covers(batch_sizes, token_counts):
                 return cached
     # only the cells the cache lacks are measured; the file keeps what it held, so that methods needing other
     # shapes do not keep re-measuring each other's
     cost = measure_cost_model(target, progress=progress, skip=frozenset(cached.measured()) if cached else frozenset(),
-                              **measure_kwargs)
+                              sampled=sampled, **measure_kwargs)
     cost = cached.merged(cost) if cached else cost
     cost.save(path)
     print(f"jaxspec: verification cost model cached in {path} (delete it to measure again)", file=sys.stderr)

@@ -72,6 +72,9 @@ class Method:
     target: LoadedModel
     spec: MethodSpec | None = None  # its registry entry
     cost_model: Any = None  # --budget auto: the device's verification cost model (jaxspec.budget.CostModel)
+    # and the one of rounds at a temperature (tokens drawn with Gumbel noise: dearer per verified row), measured on
+    # the first sampled run that needs it (`_cost_model_at`)
+    sampled_cost_model: Any = None
     # eagle2/eagle3 with --budget auto (their default): the head's measured draft ranks along text the target
     # generated, int[P, D] (jaxspec.drafters.eagle.draft_ranks), from which each tree shape's tau follows
     tree_ranks: Any = None
@@ -108,17 +111,24 @@ class Method:
                 return None
             return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k,
                                        num_nodes=shape.verified_nodes, lookup_depth=shape.lookup)
-        budget = self.auto_budget(batch)[0]
+        budget = self.auto_budget(batch, greedy)[0]
         return None if budget == 0 else dataclasses.replace(self.drafter, budget=budget)
 
-    def _cost_model_at(self, batch: int, token_counts):
-        """The cost model, measured at this batch size first when it was not yet (once per device: batch 1 when the
-        method is built, other batch sizes when they are first used)."""
+    def _cost_model_at(self, batch: int, token_counts, greedy: bool = True):
+        """The cost model of greedy rounds (or with greedy False of sampled ones), measured at this batch size first
+        when it was not yet (once per device: batch 1 when the method is built, other batch sizes and the sampled
+        model when they are first used)."""
         from jaxspec.budget import load_or_measure_cost_model
 
-        if batch not in self.cost_model.batch_sizes:
-            self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,), token_counts=token_counts)
-        return self.cost_model
+        if greedy:
+            if batch not in self.cost_model.batch_sizes:
+                self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
+                                                             token_counts=token_counts)
+            return self.cost_model
+        if self.sampled_cost_model is None or batch not in self.sampled_cost_model.batch_sizes:
+            self.sampled_cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
+                                                                 token_counts=token_counts, sampled=True)
+        return self.sampled_cost_model
 
     def auto_tree(self, batch: int, greedy: bool = True):
         """(TreeShape, table) of --budget auto for eagle2/eagle3 at this batch size: the shape with the highest
@@ -131,17 +141,20 @@ class Method:
         sampling (greedy False) from the target's probabilities of the head's top-k candidates (`draft_mass`: a
         sampled round keeps one of a node's children with their probability mass), measured at temperature 1, and
         the shapes with a prompt-lookup chain are left out (their acceptance at T > 0 is not modelled; at T=1 the
-        chain cost more than it gave on MT-Bench and GSM8K, the README's results of 2026-12-05)."""
+        chain cost more than it gave on MT-Bench and GSM8K, the README's results of 2026-12-05), and the
+        verification (plain decoding's step too) is costed on the sampled cost model, whose rows also draw their
+        tokens; the head's drafting, the same at any temperature, stays on the greedy one."""
         from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, eagle_draft_seconds
 
-        cost, cfg, head = self._cost_model_at(batch, EAGLE_TOKEN_COUNTS), self.target.config, self.params
+        greedy_cost, cfg, head = self._cost_model_at(batch, EAGLE_TOKEN_COUNTS), self.target.config, self.params
+        cost = greedy_cost if greedy else self._cost_model_at(batch, EAGLE_TOKEN_COUNTS, greedy=False)
         fuse, vocab = int(np.size(head.fc)), int(np.size(head.lm_head))
         work = dict(target_work=parameter_count(self.target.weights.layers) + cfg.vocab_size * cfg.hidden_size,
                     layer_work=parameter_count(head) - fuse - vocab - int(np.size(head.d2t)), fuse_work=fuse,
                     vocab_work=vocab)
 
         def draft_seconds(rows: int, shape) -> float:
-            return eagle_draft_seconds(cost, rows, shape, **work)
+            return eagle_draft_seconds(greedy_cost, rows, shape, **work)
 
         return choose_tree(cost, batch, self.tree_ranks, draft_seconds,
                            lookup_runs=self.lookup_runs if greedy else None,
@@ -159,26 +172,27 @@ class Method:
             if shape.plain:
                 chosen = "no draft: plain decoding (no tree is expected to beat it here)"
             return chosen, format_tree_table(rows), [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows]
-        budget, rows = self.auto_budget(batch)
+        budget, rows = self.auto_budget(batch, greedy)
         chosen = f"budget {budget}" if budget else "no draft: plain decoding (no budget is expected to beat it here)"
         return chosen, format_budget_table(rows), rows
 
-    def auto_budget(self, batch: int) -> tuple[int, list[dict]]:
+    def auto_budget(self, batch: int, greedy: bool = True) -> tuple[int, list[dict]]:
         """(budget, table) of --budget auto at this batch size: the budget with the highest expected tokens/s from the
-        device's cost model and the head's measured tokens per round at each budget (`budget_taus`; greedy, also
-        used for sampled rounds). Drafting is costed on the same cost model as the head's forwards a round, each
-        reading all of the head's weights (its layer, fusion and LM head over the draft vocabulary: 2.8 target
-        layers for the SmolLM2 heads), in proportion to the target's layers. Budget 0, plain decoding, is one of the
-        choices (`drafter_for_batch` then returns None)."""
+        device's cost model (with greedy False the sampled one, `_cost_model_at`) and the head's measured tokens per
+        round at each budget (`budget_taus`; greedy, also used for sampled rounds). Drafting is costed on the
+        greedy cost model as the head's forwards a round, each reading all of the head's weights (its layer, fusion
+        and LM head over the draft vocabulary: 2.8 target layers for the SmolLM2 heads), in proportion to the
+        target's layers. Budget 0, plain decoding, is one of the choices (`drafter_for_batch` then returns None)."""
         from jaxspec.budget import choose_budget
 
-        cost, cfg, drafter = self._cost_model_at(batch, BUDGET_TOKEN_COUNTS), self.target.config, self.drafter
+        greedy_cost, cfg, drafter = self._cost_model_at(batch, BUDGET_TOKEN_COUNTS), self.target.config, self.drafter
+        cost = greedy_cost if greedy else self._cost_model_at(batch, BUDGET_TOKEN_COUNTS, greedy=False)
         budgets = [0] + auto_budgets(drafter, self.spec)
         head_in_layers = parameter_count(self.params) / (parameter_count(self.target.weights.layers) / cfg.num_layers)
 
         def draft_seconds(rows: int, budget: int) -> float:
             forwards = dataclasses.replace(drafter, budget=budget).draft_cost_layers(cfg)  # one a head forward
-            return forwards * head_in_layers / cfg.num_layers * cost.verify_seconds(rows, budget + 1)
+            return forwards * head_in_layers / cfg.num_layers * greedy_cost.verify_seconds(rows, budget + 1)
 
         return choose_budget(cost, batch, budgets=budgets, tau=self.budget_taus, draft_seconds=draft_seconds)
 

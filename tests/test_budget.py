@@ -6,6 +6,8 @@ import json
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -385,9 +387,9 @@ def test_measure_times_the_layout_the_decoding_loops_run(tiny_llama3, monkeypatc
     seen = []
     real = budget._verification_jit
 
-    def recording(weights, cfg, cache, root, tree):
+    def recording(weights, cfg, cache, root, tree, sampled=False):
         seen.append((isinstance(weights.layers, tuple), cache.per_layer, tree.tokens.shape[1]))
-        return real(weights, cfg, cache, root, tree)
+        return real(weights, cfg, cache, root, tree, sampled)
 
     monkeypatch.setattr(budget, "_verification_jit", recording)
     for layout in ("stacked", "unstacked"):
@@ -398,6 +400,46 @@ def test_measure_times_the_layout_the_decoding_loops_run(tiny_llama3, monkeypatc
         per_layer = layout == "unstacked"
         assert set(seen) == {(per_layer, per_layer, 0), (per_layer, per_layer, 2)}
         assert cost.device.endswith(("-unstacked-float32" if per_layer else "cpu-float32"))
+
+
+def test_the_sampled_cost_model_times_rounds_that_draw_their_tokens(tiny_llama3, tmp_path, monkeypatch):
+    """`sampled=True` times every shape as a round at a temperature runs it (Gumbel noise over the vocabulary at
+    every verified row, plain decoding's step included), under its own device name and cache file: a greedy cost
+    model is never served for a sampled one, nor the other way round."""
+    _, model, _ = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    seen = []
+    real = budget._verification_jit
+
+    def recording(weights, cfg, cache, root, tree, sampled=False):
+        seen.append((tree.tokens.shape[1], sampled))
+        return real(weights, cfg, cache, root, tree, sampled)
+
+    monkeypatch.setattr(budget, "_verification_jit", recording)
+    grid = dict(batch_sizes=(1,), token_counts=(1, 3), context=8, repeats=1)
+    sampled = load_or_measure_cost_model(model, progress=False, sampled=True, **grid)
+    assert set(seen) == {(0, True), (2, True)} and sampled.device.endswith("-sampled")
+    assert cost_model_path(model, sampled=True) != cost_model_path(model)
+    assert os.path.isfile(cost_model_path(model, sampled=True)) and not os.path.exists(cost_model_path(model))
+    seen.clear()
+    greedy = load_or_measure_cost_model(model, progress=False, **grid)  # measured afresh, not the sampled file
+    assert set(seen) == {(0, False), (2, False)} and not greedy.device.endswith("-sampled")
+    seen.clear()
+    assert load_or_measure_cost_model(model, progress=False, sampled=True, **grid) == sampled and not seen
+    # the sampled forward draws: its tokens are the argmax of the logits plus temperature-1 Gumbel noise
+    from jaxspec.cache import init_cache
+    from jaxspec.model import forward
+    from jaxspec.sampling import SamplingConfig, gumbel_noise
+    from jaxspec.tree import DraftTree
+
+    weights, cfg = model.weights, model.config
+    tree = DraftTree(tokens=jnp.array([[4, 7]], jnp.int32), parents=jnp.array([[-1, 0]], jnp.int32),
+                     valid=jnp.ones((1, 2), jnp.bool_))
+    drawn, _ = real(weights, cfg, init_cache(cfg, 1, 16), jnp.array([3], jnp.int32), tree, True)  # [1, 3]
+    logits = forward(weights, cfg, jnp.array([[3, 4, 7]]), jnp.arange(3)[None], init_cache(cfg, 1, 16)).logits
+    noise = gumbel_noise(jax.random.key(0), (1, 3, cfg.vocab_size), SamplingConfig(temperature=1.0))
+    assert np.array_equal(np.asarray(drawn), np.asarray(jnp.argmax(logits + noise, -1)))
+    assert not np.array_equal(np.asarray(drawn), np.asarray(jnp.argmax(logits, -1)))  # the noise decided somewhere
 
 
 def test_chosen_layout_is_measured_once_per_batch_size_and_cached(tiny_llama3, tmp_path, monkeypatch, capsys):

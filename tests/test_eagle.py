@@ -794,7 +794,7 @@ def test_auto_tree_merges_a_lookup_chain_at_t0_only(tiny_llama3):
     ranks = np.full((100, 6), 5)  # [P, D]: the head never right
     runs = np.full(100, 6)  # [P]: the lookup chain always right for 6 tokens
     method = Method(name="eagle3", drafter=cfg.make_drafter(), params=params, target=model, cost_model=cost,
-                    tree_ranks=ranks, lookup_runs=runs)
+                    sampled_cost_model=cost, tree_ranks=ranks, lookup_runs=runs)
     greedy, sampled = method.drafter_for_batch(1), method.drafter_for_batch(1, greedy=False)
     # the shortest lookup chain of TREE_SHAPES (3, 5, 8, 12) that keeps all 6, under the cheapest head chain
     assert greedy.lookup_depth == 8 and greedy.num_nodes == method.auto_tree(1)[0].verified_nodes == 9
@@ -831,6 +831,40 @@ def test_auto_tree_chooses_plain_decoding_when_no_tree_pays(tiny_llama3):
     often = np.where(np.arange(100)[:, None] < 90, 0, 5) * np.ones((1, 6), int)  # right at 90%: a chain pays
     method = dataclasses.replace(method, tree_ranks=often)
     assert not method.auto_tree(1)[0].plain and method.drafter_for_batch(1) is not None
+
+
+def test_sampled_rounds_are_sized_on_the_cost_of_sampled_verification(tiny_llama3):
+    """At T > 0 each verified row also draws its token (Gumbel noise over the vocabulary and the noisy screen), which
+    the greedy cost model leaves out: --budget auto costs the verification of a sampled round, and plain decoding's
+    sampled step, on the sampled cost model (`Method.sampled_cost_model`), and the head's drafting on the greedy one.
+    A chain that pays on greedy costs loses to plain decoding once each row's draw is paid."""
+    from jaxspec.budget import EAGLE_TOKEN_COUNTS, PLAIN, CostModel, TreeShape
+    from jaxspec.methods import Method
+
+    _, model, _ = tiny_llama3
+    cfg, params = _head(model)
+    counts = list(EAGLE_TOKEN_COUNTS)
+    greedy_cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                            seconds=[[1e-2 + 1e-3 * (t - 1) for t in counts]])  # each verified token: a tenth of a step
+    sampled_cost = CostModel(device="test-sampled", model="abc", batch_sizes=[1], token_counts=counts,
+                             seconds=[[1.03e-2 + 8e-3 * (t - 1) for t in counts]])  # each row's draw dear
+    mass = np.full((100, 6, 4), 0.8)  # [P, D, K]: the target's probability of the head's top-k candidates
+    ranks = np.zeros((100, 6), int)  # [P, D]: at T=0 every draft kept
+    method = Method(name="eagle3", drafter=cfg.make_drafter(), params=params, target=model, cost_model=greedy_cost,
+                    sampled_cost_model=greedy_cost, tree_ranks=ranks, draft_mass=mass)
+    cheap_shape, cheap_rows = method.auto_tree(1, greedy=False)
+    assert not cheap_shape.plain and method.drafter_for_batch(1, greedy=False) is not None
+    method = dataclasses.replace(method, sampled_cost_model=sampled_cost)
+    shape, rows = method.auto_tree(1, greedy=False)
+    assert shape == PLAIN and method.drafter_for_batch(1, greedy=False) is None
+    for row, cheap in zip(rows, cheap_rows):  # the same shapes, tau and drafting; only the verification differs
+        nodes = row["shape"].verified_nodes
+        assert row["shape"] == cheap["shape"] and row["tau"] == cheap["tau"]
+        assert row["draft_seconds"] == cheap["draft_seconds"]
+        assert row["verify_seconds"] == pytest.approx(sampled_cost.verify_seconds(1, nodes + 1))
+    chain = next(r for r in rows if r["shape"] == TreeShape(1, 1, 1))
+    assert chain["speedup"] < 1 < next(r for r in cheap_rows if r["shape"] == TreeShape(1, 1, 1))["speedup"]
+    assert not method.auto_tree(1)[0].plain  # T=0 stays on the greedy model
 
 
 def test_merge_chain_builds_a_trie_without_duplicate_siblings():
