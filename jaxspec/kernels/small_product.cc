@@ -77,19 +77,24 @@ using RowKernel = void (*)(const float*, const float*, float*, int64_t, bool);
 constexpr RowKernel kRowKernels[kGroup + 1] = {
     nullptr, row_times_columns<1>, row_times_columns<2>, row_times_columns<3>, row_times_columns<4>,
     row_times_columns<5>, row_times_columns<6>, row_times_columns<7>, row_times_columns<8>};
-constexpr RowKernel kRowKernels512[kGroup + 1] = {
+constexpr int kGroup512 = 16;  // AVX-512 has 32 registers: 16 accumulators, one weight and one column register
+constexpr RowKernel kRowKernels512[kGroup512 + 1] = {
     nullptr, row_times_columns_512<1>, row_times_columns_512<2>, row_times_columns_512<3>, row_times_columns_512<4>,
-    row_times_columns_512<5>, row_times_columns_512<6>, row_times_columns_512<7>, row_times_columns_512<8>};
+    row_times_columns_512<5>, row_times_columns_512<6>, row_times_columns_512<7>, row_times_columns_512<8>,
+    row_times_columns_512<9>, row_times_columns_512<10>, row_times_columns_512<11>, row_times_columns_512<12>,
+    row_times_columns_512<13>, row_times_columns_512<14>, row_times_columns_512<15>, row_times_columns_512<16>};
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
 // y[o, :] for o in [o0, o1): each row read from memory once, its columns in passes of up to 8 (the second pass
-// reads the row from L1).
+// reads the row from L1); with AVX-512 in one pass of up to 16.
 void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, int64_t columns, int64_t o0,
                         int64_t o1) {
+  const int group_size = kHasAvx512 ? kGroup512 : kGroup;
+  const RowKernel* kernels = kHasAvx512 ? kRowKernels512 : kRowKernels;
   for (int64_t o = o0; o < o1; ++o) {
-    for (int64_t n0 = 0; n0 < columns; n0 += kGroup) {
-      const int64_t group = std::min<int64_t>(kGroup, columns - n0);
-      (kHasAvx512 ? kRowKernels512 : kRowKernels)[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, n0 == 0);
+    for (int64_t n0 = 0; n0 < columns; n0 += group_size) {
+      const int64_t group = std::min<int64_t>(group_size, columns - n0);
+      kernels[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, n0 == 0);
     }
   }
 }
