@@ -561,7 +561,8 @@ def load_learned_drafter(method: str, target: LoadedModel, path: str | None,
     return cfg.make_drafter(), params
 
 
-# Generic chat prompts (none from the evaluation sets) whose greedy answers calibrate the acceptance of EAGLE heads.
+# Generic chat prompts (none from the evaluation sets) whose answers (greedy, and sampled for T > 0) calibrate the
+# acceptance of EAGLE heads.
 CALIBRATION_PROMPTS = (
     "Explain how a hash table works and when it is a poor choice.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -577,6 +578,11 @@ CALIBRATION_DEPTH = 6  # the deepest tree shape measured (jaxspec.budget.TREE_SH
 CALIBRATION_LOOKUP = 12  # the longest prompt-lookup chain measured (its runs are capped there; TREE_SHAPES' longest)
 CALIBRATION_NGRAM = 3  # the lookup's longest n-gram (Eagle3Drafter.lookup_ngram's default)
 CALIBRATION_TOP_K = 4  # the widest level whose target probability mass is measured (sampled rounds)
+# the masses are measured along answers sampled at this temperature and seed: the text a sampled round sees (along
+# greedy text the head's deeper candidates looked far likelier than sampled rounds found them: a chain of 2 was
+# expected at tau 1.51 at T=1 and ran 1.25-1.47)
+CALIBRATION_TEMPERATURE = 1.0
+CALIBRATION_SEED = 0
 
 
 DRAFT_RANKS_FILE = "draft-ranks.npz"  # in a drafter folder: its measured ranks (see `save_draft_ranks`)
@@ -587,7 +593,7 @@ def _calibration_digest() -> str:
     import hashlib
 
     text = json.dumps([CALIBRATION_PROMPTS, CALIBRATION_TOKENS, CALIBRATION_DEPTH, CALIBRATION_LOOKUP,
-                       CALIBRATION_NGRAM, CALIBRATION_TOP_K])
+                       CALIBRATION_NGRAM, CALIBRATION_TOP_K, CALIBRATION_TEMPERATURE, CALIBRATION_SEED])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -595,9 +601,10 @@ def measured_draft_ranks(target: LoadedModel, drafter, params,
                          folder: str | None = None) -> tuple[Any, Any, Any, Any]:
     """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P], lookup valid int[P], mass float[P, CALIBRATION_DEPTH,
     CALIBRATION_TOP_K]): an
-    EAGLE head's ranks of the target's tokens along the target's own greedy answers to CALIBRATION_PROMPTS and the
-    target's probabilities of its top-k candidates (`jaxspec.drafters.eagle.draft_statistics`: what rounds keep at
-    T=0 and at T > 0), and how many tokens of a prompt-lookup chain the target keeps at the same positions at T=0
+    EAGLE head's ranks of the target's tokens along the target's own greedy answers to CALIBRATION_PROMPTS (what
+    rounds keep at T=0), the target's probabilities of its top-k candidates along answers it sampled at
+    CALIBRATION_TEMPERATURE (what rounds keep at T > 0; `jaxspec.drafters.eagle.draft_statistics`; P differs), and
+    how many tokens of a prompt-lookup chain the target keeps at the same positions at T=0
     and how many of them are valid (`jaxspec.drafters.prompt_lookup.lookup_statistics`).
 
     Read from the drafter's folder when it holds them for this head and target (`save_draft_ranks`; the shipped
@@ -744,14 +751,23 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     from jaxspec.drafters.prompt_lookup import lookup_statistics
 
     prompts = _calibration_prompts(target)
-    answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS).token_ids
-    lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
-    tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]
-    for row, (p, a) in enumerate(zip(prompts, answers)):
-        tokens[row, : lengths[row]] = p + a
     starts = np.array([len(p) for p in prompts])  # [R]
-    ranks, mass = draft_statistics(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
-                                   starts, CALIBRATION_DEPTH, CALIBRATION_TOP_K,
-                                   head_cfg=drafter.head_config(target.config))  # [P, D], [P, D, K]
+
+    def text(sampling: SamplingConfig):  # (tokens [R, S], lengths [R]): the prompts and the target's answers
+        answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS,
+                           sampling=sampling, seed=CALIBRATION_SEED).token_ids
+        lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
+        tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]
+        for row, (p, a) in enumerate(zip(prompts, answers)):
+            tokens[row, : lengths[row]] = p + a
+        return tokens, lengths
+
+    def statistics(tokens, lengths, top_k: int):
+        return draft_statistics(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
+                                starts, CALIBRATION_DEPTH, top_k, head_cfg=drafter.head_config(target.config))
+
+    tokens, lengths = text(GREEDY)
+    ranks, _ = statistics(tokens, lengths, 0)  # [P, D]
     runs, valid = lookup_statistics(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM)  # [P] each
+    _, mass = statistics(*text(SamplingConfig(temperature=CALIBRATION_TEMPERATURE)), CALIBRATION_TOP_K)  # [P', D, K]
     return ranks, runs, valid, mass

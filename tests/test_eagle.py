@@ -656,6 +656,39 @@ def test_tree_options_for_the_eagle_methods(tiny_llama3):
         build_method("prompt-lookup", model, MethodOptions(tree_nodes=8))
 
 
+def test_calibration_ranks_follow_greedy_answers_and_masses_sampled_ones(tiny_llama3, monkeypatch):
+    """The head's ranks and the lookup runs are measured along the target's greedy answers to the calibration
+    prompts (what T=0 rounds see); the target's masses of the head's candidates along answers it sampled at
+    CALIBRATION_TEMPERATURE (what sampled rounds see: along greedy text they overrated deeper drafts at T=1)."""
+    from jaxspec import methods
+    from jaxspec.drafters import eagle
+
+    _, model, _ = tiny_llama3
+    cfg, params = _head(model)
+    monkeypatch.setattr(methods, "CALIBRATION_TOKENS", 12)
+    texts, measured = {}, []
+    real_generate, real_statistics = methods.generate, eagle.draft_statistics
+
+    def recording_generate(*args, sampling=methods.GREEDY, **kwargs):
+        result = real_generate(*args, sampling=sampling, **kwargs)
+        texts[sampling.temperature] = result.token_ids
+        return result
+
+    def recording_statistics(params, weights, cfg, layers, tokens, lengths, starts, depth, top_k, head_cfg=None):
+        answers = [list(row[s:n]) for row, s, n in zip(tokens, starts, lengths)]
+        measured.append((answers, top_k))
+        return real_statistics(params, weights, cfg, layers, tokens, lengths, starts, depth, top_k, head_cfg)
+
+    monkeypatch.setattr(methods, "generate", recording_generate)
+    monkeypatch.setattr(eagle, "draft_statistics", recording_statistics)
+    ranks, runs, valid, mass = methods._measure_draft_ranks(model, cfg.make_drafter(), params)
+    assert sorted(texts) == [0.0, methods.CALIBRATION_TEMPERATURE] and texts[0.0] != texts[1.0]  # the draws differ
+    assert measured == [(texts[0.0], 0), (texts[1.0], methods.CALIBRATION_TOP_K)]
+    assert ranks.shape[1] == methods.CALIBRATION_DEPTH and runs.shape == valid.shape == (len(ranks),)
+    assert mass.shape[1:] == (methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K) and mass[:, 0, -1].mean() > 0
+    assert np.all((mass >= 0) & (mass <= 1 + 1e-6))
+
+
 def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeypatch):
     """A drafter folder's draft-ranks.npz (scripts/calibrate_drafter.py) is read instead of measuring when it was
     made for this head and target with these calibration settings; of another target, or of another head (one

@@ -1001,7 +1001,9 @@ def draft_statistics(params: Eagle3Params, target_weights: Weights, target_cfg: 
     A round drafts the head's top-k children deterministically, and the acceptance rule keeps one of them with
     exactly the target's probability of that set (`jaxspec.verification`: a point-mass draft is accepted with
     probability r(x), and a rejection removes x from r), so these masses are the acceptance probabilities of a
-    sampled round's levels, measured along the target's greedy text (`jaxspec.budget.expected_tokens_sampled`).
+    sampled round's levels along the given text (`jaxspec.budget.expected_tokens_sampled`; the calibration,
+    `jaxspec.methods.measured_draft_ranks`, passes answers the target sampled at T=1: the text sampled rounds see).
+    top_k 0: the ranks alone (mass [P, depth, 0]).
 
     Returns:
         (ranks int64[P, depth], mass float64[P, depth, top_k]: mass[p, j, k - 1] the target's probability of the
