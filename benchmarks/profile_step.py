@@ -29,6 +29,7 @@ from jaxspec.arguments import parse_budget
 from jaxspec.generate import generate_tokens
 from jaxspec.loading import DEFAULT_MODEL, load_model
 from jaxspec.model import feature_major_layers, layers_layout
+from jaxspec.sampling import SamplingConfig
 from jaxspec.profiling import op_scopes, traced_op_times
 from jaxspec.speculative import ROUND_PHASES
 
@@ -53,17 +54,20 @@ def profile_loop(args) -> None:
     cfg, b = target.config, args.batch
     tokens = jnp.zeros((b, max(64, args.context)), jnp.int32)  # [B, P]
     lengths = jnp.full((b,), args.context, jnp.int32)  # [B]
+    sampling = SamplingConfig(temperature=args.temperature)
     if args.method == "autoregressive":
         fn = generate_tokens
         call_args = (weights, cfg, tokens, lengths, jax.random.key(0))
-        kwargs = dict(max_new_tokens=args.steps, cache_size=args.cache)
+        kwargs = dict(max_new_tokens=args.steps, cache_size=args.cache, sampling=sampling)
     else:
         from jaxspec.methods import MethodOptions, build_method
         from jaxspec.speculative import speculative_generate_tokens
 
         method = build_method(args.method, target, MethodOptions(drafter=args.drafter, budget=args.budget,
-                                                                  num_draft_tokens=args.num_draft_tokens))
-        drafter = method.drafter_for_batch(b)
+                                                                  num_draft_tokens=args.num_draft_tokens,
+                                                                  tree_width=args.tree_width,
+                                                                  tree_nodes=args.tree_nodes))
+        drafter = method.drafter_for_batch(b, greedy=sampling.greedy)
         if drafter is None:
             raise SystemExit(f"--budget auto chose no draft for {args.method} at batch {b} (plain decoding is expected "
                              "to be faster): profile --method autoregressive, or give the tree by hand.")
@@ -74,7 +78,7 @@ def profile_loop(args) -> None:
         else:
             params = method.params
         call_args = (weights, cfg, drafter, params, tokens, lengths, jax.random.key(0))
-        kwargs = dict(max_new_tokens=args.steps, cache_size=args.cache)
+        kwargs = dict(max_new_tokens=args.steps, cache_size=args.cache, sampling=sampling)
     run = lambda: jax.block_until_ready(fn(*call_args, **kwargs))  # noqa: E731
     run()
     start = time.perf_counter()
@@ -179,6 +183,8 @@ def main() -> None:
     p.add_argument("--drafter", default=None, help="the drafter folder (default: the method's shipped one)")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="a chain of this many drafted tokens by hand (instead of --budget)")
+    p.add_argument("--tree-width", type=int, default=None, help="with --num-draft-tokens: children a node (1: a chain)")
+    p.add_argument("--tree-nodes", type=int, default=None, help="with --num-draft-tokens: verified nodes a round")
     p.add_argument("--budget", type=parse_budget, default=None, help="the method's --budget (a tree budget, or auto)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=256, help="cache slots per row")
@@ -186,6 +192,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=40, help="prompt tokens per row before the first step")
     p.add_argument("--unstacked", action="store_true", help="the layers as per-layer buffers (see jaxspec.model)")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (the loops' Gumbel-max draw) instead of greedy decoding")
     p.add_argument("--by-op", action="store_true", help="split each phase (draft, verify, commit) by kind of op")
     p.add_argument("--matmul", action="store_true", help="the matrix-product microbenchmark instead")
     p.add_argument("--attention", action="store_true", help="the attention-orientation microbenchmark instead")
