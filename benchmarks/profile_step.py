@@ -29,8 +29,8 @@ from jaxspec.arguments import parse_budget
 from jaxspec.generate import generate_tokens
 from jaxspec.loading import DEFAULT_MODEL, load_model
 from jaxspec.model import feature_major_layers, layers_layout
-from jaxspec.sampling import SamplingConfig
 from jaxspec.profiling import op_scopes, traced_op_times
+from jaxspec.sampling import SamplingConfig
 from jaxspec.speculative import ROUND_PHASES
 
 
