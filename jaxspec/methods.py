@@ -120,15 +120,15 @@ class Method:
         model when they are first used)."""
         from jaxspec.budget import load_or_measure_cost_model
 
-        if greedy:
-            if batch not in self.cost_model.batch_sizes:
-                self.cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
-                                                             token_counts=token_counts)
-            return self.cost_model
-        if self.sampled_cost_model is None or batch not in self.sampled_cost_model.batch_sizes:
-            self.sampled_cost_model = load_or_measure_cost_model(self.target, batch_sizes=(batch,),
-                                                                 token_counts=token_counts, sampled=True)
-        return self.sampled_cost_model
+        cost = self.cost_model if greedy else self.sampled_cost_model
+        if cost is None or batch not in cost.batch_sizes:
+            cost = load_or_measure_cost_model(self.target, batch_sizes=(batch,), token_counts=token_counts,
+                                              sampled=not greedy)
+            if greedy:
+                self.cost_model = cost
+            else:
+                self.sampled_cost_model = cost
+        return cost
 
     def auto_tree(self, batch: int, greedy: bool = True):
         """(TreeShape, table) of --budget auto for eagle2/eagle3 at this batch size: the shape with the highest
