@@ -59,6 +59,35 @@ _SPACE = re.compile(r"\s*")
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
+def load_prompt_file(path: str) -> list[str]:
+    """The user prompts of a JSON Lines file, one object with a "prompt" string per line (blank lines skipped), in
+    file order: your own training prompts for `jaxspec regenerate --prompts` (`scripts/make_prompts.py` writes
+    some).
+
+    Raises:
+        UserError: the file is missing, or a line is not such an object (the message names the line).
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"No prompt file at '{path}'; give a JSON Lines file with one {{\"prompt\": ...}} per line.")
+    prompts: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}, line {number}: not JSON ({e.msg}); each line must be one "
+                                f"{{\"prompt\": ...}} object.") from None
+            text = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(text, str) or not text.strip():
+                raise UserError(f"{path}, line {number}: expected an object with a non-empty \"prompt\" string.")
+            prompts.append(text.strip())
+    if not prompts:
+        raise UserError(f"The prompt file '{path}' holds no prompts.")
+    return prompts
+
+
 # ---------------------------------------------------------------------------------------------- ShareGPT
 
 

@@ -22,13 +22,20 @@
 # Those folders trained stages 7-9 (the "other" one reached prompt 6631). The next data, prompts no head has seen
 # (started 2026-12-07 on the Intel Xeon; resume it with the same command):
 #   OUT=data/regen-smollm2-135m-p7000 FIRST_PROMPT=7000 BATCH=256 bash scripts/regenerate_data.sh
+# Prompts in the evaluation sets' forms, none of their items (the sixteenth session; scripts/make_prompts.py):
+#   .venv/bin/python scripts/make_prompts.py --kind code --count 2000 --out data/prompts-code.jsonl
+#   .venv/bin/python scripts/make_prompts.py --kind math --count 1500 --out data/prompts-math.jsonl
+#   OUT=data/regen-smollm2-135m-code PROMPTS=data/prompts-code.jsonl MAX_PROMPT_TOKENS=256 BATCH=128 bash scripts/regenerate_data.sh
+#   OUT=data/regen-smollm2-135m-math PROMPTS=data/prompts-math.jsonl BATCH=256 bash scripts/regenerate_data.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-data/regen-smollm2-135m-b64}
 mkdir -p logs
-CMD=(nice -n 19 .venv/bin/jaxspec regenerate --out "$OUT" --max-prompt-tokens 128 --max-new-tokens 256
+PROMPT_ARGS=()
+if [[ -n "${PROMPTS:-}" ]]; then PROMPT_ARGS=(--prompts "$PROMPTS"); fi
+CMD=(nice -n 19 .venv/bin/jaxspec regenerate --out "$OUT" --max-prompt-tokens "${MAX_PROMPT_TOKENS:-128}" --max-new-tokens 256
      --batch-size "${BATCH:-64}" --shard-size 64 --layers auto --feature-layers 2,15,27,29
-     --first-prompt "${FIRST_PROMPT:-0}" --topics "${TOPICS:-all}")
+     --first-prompt "${FIRST_PROMPT:-0}" --topics "${TOPICS:-all}" "${PROMPT_ARGS[@]}")
 if [[ "${1:-}" == "--wait" ]]; then
     exec "${CMD[@]}"
 fi

