@@ -570,6 +570,51 @@ def test_a_head_is_fine_tuned_into_another_draft_vocabulary(tiny_data, tmp_path)
         train(from_dict(TrainConfig, plain), progress=False)
 
 
+def test_a_fine_tuned_head_moves_to_its_new_datas_vocabulary_at_the_same_size(tiny_data, tmp_path):
+    """run.rebuild_draft_vocab: fine-tuned on other data at the same draft_vocab_size, the head takes that data's
+    most frequent tokens (a trained column kept for every token both vocabularies hold, a new one from the target's
+    LM head); without it the saved vocabulary stays."""
+    from jaxspec.config_files import from_dict
+    from jaxspec.data import RegeneratedDataset, regenerate_ids
+    from jaxspec.drafters.eagle import response_token_counts
+    from jaxspec.training.config import TrainConfig
+    from jaxspec.training.distill import train
+
+    target, data = tiny_data
+    other = str(tmp_path / "other")  # answers to prompts of high token ids only: other frequent tokens
+    rng = np.random.default_rng(1)
+    regenerate_ids(target, [rng.integers(200, 256, size=8).tolist() for _ in range(12)], other, max_prompt_tokens=16,
+                   max_new_tokens=20, batch_size=4, shard_size=6, progress=False)
+
+    def config(path, out, lr=3e-3, **run):
+        return from_dict(TrainConfig, {
+            "method": "eagle3", "target": TINY, "dtype": "float32",
+            "data": {"path": path, "seq_len": 32, "eval_holdout": 2},
+            "optim": {"learning_rate": lr, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
+            "loss": {"kind": "forward_kl", "position_decay": 0.8},
+            "run": {"steps": 1, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / out), "save_every": 1,
+                    "eval_every": 0, "log_every": 1, **run},
+            "drafter": {"draft_vocab_size": 16, "depth": 2, "top_k": 2, "num_nodes": 3, "ttt_steps": 2},
+        })
+
+    first = train(config(data, "first", steps=2), progress=False)["params"]
+    saved = str(tmp_path / "first" / "drafter")
+    kept = train(config(other, "kept", lr=1e-12, init_from=saved), progress=False)["params"]
+    moved = train(config(other, "moved", lr=1e-12, init_from=saved, rebuild_draft_vocab=True), progress=False)
+    moved = moved["params"]
+    counts = response_token_counts(RegeneratedDataset(other), 256)
+    fresh = Eagle3Config(draft_vocab_size=16, depth=2, top_k=2, num_nodes=3, ttt_steps=2).init_params(
+        target.config, target.weights, jax.random.key(0), counts)
+    old_ids = np.asarray(draft_to_target(first)).tolist()
+    new_ids = np.asarray(draft_to_target(moved)).tolist()
+    assert np.asarray(draft_to_target(kept)).tolist() == old_ids
+    assert new_ids == np.asarray(draft_to_target(fresh)).tolist() and set(new_ids) != set(old_ids)
+    for j, token in enumerate(new_ids):
+        expected = first.lm_head[:, old_ids.index(token)] if token in old_ids else fresh.lm_head[:, j]
+        np.testing.assert_allclose(np.asarray(moved.lm_head[:, j]), np.asarray(expected), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(moved.fc), np.asarray(first.fc), atol=1e-6)
+
+
 def test_config_file_and_refusals(tiny_llama3):
     import os
 

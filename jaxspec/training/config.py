@@ -126,6 +126,9 @@ class RunConfig:
     log_every: int = 10  # metrics line interval
     init_from: str | None = None  # a drafter folder (same method, target and drafter settings) whose parameters
     # start a fresh run (fine-tuning on more data, or with a new schedule); ignored when the run resumes
+    rebuild_draft_vocab: bool = False  # with init_from, an EAGLE-3 head moves to the draft vocabulary of this run's
+    # data (its most frequent response tokens) even at the same size, keeping the trained column of every token both
+    # hold; false keeps the saved head's vocabulary (a different draft_vocab_size always moves it)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "save_every", "keep_checkpoints", "log_every"):

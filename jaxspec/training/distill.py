@@ -196,16 +196,21 @@ def maybe_initialize_distributed() -> None:
         join_distributed()  # the process count and id from JAX_NUM_PROCESSES and JAX_PROCESS_ID where set
 
 
-def _initial_params(directory: str, method: str, method_cfg, target, params):
+def _initial_params(directory: str, method: str, method_cfg, target, params, rebuild_vocab: bool = False):
     """The parameters of the drafter in `directory`, checked to be this run's method, target and drafter settings.
     An EAGLE-3 head may come from another draft vocabulary size: it is moved to this run's vocabulary
-    (`jaxspec.drafters.eagle.with_draft_vocabulary`), so a head can be fine-tuned into a larger or smaller one."""
+    (`jaxspec.drafters.eagle.with_draft_vocabulary`), so a head can be fine-tuned into a larger or smaller one;
+    with `rebuild_vocab` it is moved at the same size too (to the vocabulary of this run's data)."""
     from jaxspec.checkpoint import load_drafter, read_drafter_meta
     from jaxspec.drafters.eagle import Eagle3Params, with_draft_vocabulary
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     saved_vocab = read_drafter_meta(directory)["config"].get("draft_vocab_size")
     resized = isinstance(params, Eagle3Params) and saved_vocab not in (None, params.d2t.shape[0])
+    if rebuild_vocab and not isinstance(params, Eagle3Params):
+        raise UserError(f"run.rebuild_draft_vocab applies to EAGLE-3 heads; a {method} drafter has no draft "
+                        "vocabulary to move. Remove the key.")
+    moved = isinstance(params, Eagle3Params) and (resized or (rebuild_vocab and saved_vocab is not None))
     if resized:  # read the saved head with its own vocabulary's shapes
         d = params.lm_head.shape[0]
         abstract = dataclasses.replace(abstract, lm_head=jax.ShapeDtypeStruct((d, saved_vocab), params.lm_head.dtype),
@@ -220,7 +225,7 @@ def _initial_params(directory: str, method: str, method_cfg, target, params):
         listed = ", ".join(f"{k}: {saved[k]} there, {ours[k]} here" for k in differing)
         raise UserError(f"run.init_from '{directory}' was trained with other drafter settings ({listed}); "
                         "use the same drafter settings or start from scratch (remove run.init_from).")
-    return with_draft_vocabulary(loaded, params) if resized else loaded
+    return with_draft_vocabulary(loaded, params) if moved else loaded
 
 
 def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -257,7 +262,7 @@ def train(config: TrainConfig, *, progress: bool = True, stop_after: int | None 
     init_data = (dataset,) if trainable.init_uses_data else ()
     params = trainable.init_params(method_cfg, target, jax.random.fold_in(key, 1), *init_data)
     if run.init_from:
-        params = _initial_params(run.init_from, config.method, method_cfg, target, params)
+        params = _initial_params(run.init_from, config.method, method_cfg, target, params, run.rebuild_draft_vocab)
     optimizer = make_optimizer(config.optim, run.steps)
     opt_state = optimizer.init(params)
     layers = tuple(trainable.target_layers(method_cfg, target.config))
