@@ -526,8 +526,8 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
 
 def test_a_head_is_fine_tuned_into_another_draft_vocabulary(tiny_data, tmp_path):
     """run.init_from with another draft_vocab_size: the new head keeps every trained weight and the trained LM-head
-    column of each token both vocabularies hold; a token new to it starts from the target's LM head (a fresh head's
-    column); the vocabulary is the data's most frequent tokens as for a fresh head. Other settings still refuse."""
+    column of each token both vocabularies hold; a token new to it starts at the mean of those trained columns; the
+    vocabulary is the data's most frequent tokens as for a fresh head. Other settings still refuse."""
     from jaxspec.config_files import from_dict, to_dict
     from jaxspec.data import RegeneratedDataset
     from jaxspec.drafters.eagle import response_token_counts
@@ -559,8 +559,9 @@ def test_a_head_is_fine_tuned_into_another_draft_vocabulary(tiny_data, tmp_path)
     old_ids = np.asarray(draft_to_target(small)).tolist()
     new_ids = np.asarray(draft_to_target(grown)).tolist()
     assert set(old_ids) < set(new_ids)  # the 16 most frequent tokens are among the 48
+    mean = np.asarray(small.lm_head).mean(axis=1)  # [d]: all 16 old tokens are kept
     for j, token in enumerate(new_ids):
-        expected = small.lm_head[:, old_ids.index(token)] if token in old_ids else fresh.lm_head[:, j]
+        expected = small.lm_head[:, old_ids.index(token)] if token in old_ids else mean
         np.testing.assert_allclose(np.asarray(grown.lm_head[:, j]), np.asarray(expected), atol=1e-6)
     for name in ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "input_norm", "final_norm"):
         np.testing.assert_allclose(np.asarray(getattr(grown, name)), np.asarray(getattr(small, name)), atol=1e-6)
@@ -572,8 +573,8 @@ def test_a_head_is_fine_tuned_into_another_draft_vocabulary(tiny_data, tmp_path)
 
 def test_a_fine_tuned_head_moves_to_its_new_datas_vocabulary_at_the_same_size(tiny_data, tmp_path):
     """run.rebuild_draft_vocab: fine-tuned on other data at the same draft_vocab_size, the head takes that data's
-    most frequent tokens (a trained column kept for every token both vocabularies hold, a new one from the target's
-    LM head); without it the saved vocabulary stays."""
+    most frequent tokens (a trained column kept for every token both vocabularies hold, a new one at their mean);
+    without it the saved vocabulary stays."""
     from jaxspec.config_files import from_dict
     from jaxspec.data import RegeneratedDataset, regenerate_ids
     from jaxspec.drafters.eagle import response_token_counts
@@ -609,8 +610,10 @@ def test_a_fine_tuned_head_moves_to_its_new_datas_vocabulary_at_the_same_size(ti
     new_ids = np.asarray(draft_to_target(moved)).tolist()
     assert np.asarray(draft_to_target(kept)).tolist() == old_ids
     assert new_ids == np.asarray(draft_to_target(fresh)).tolist() and set(new_ids) != set(old_ids)
+    shared = [old_ids.index(token) for token in new_ids if token in old_ids]
+    mean = np.asarray(first.lm_head)[:, shared].mean(axis=1)  # [d]: the kept trained columns' mean
     for j, token in enumerate(new_ids):
-        expected = first.lm_head[:, old_ids.index(token)] if token in old_ids else fresh.lm_head[:, j]
+        expected = first.lm_head[:, old_ids.index(token)] if token in old_ids else mean
         np.testing.assert_allclose(np.asarray(moved.lm_head[:, j]), np.asarray(expected), atol=1e-6)
     np.testing.assert_allclose(np.asarray(moved.fc), np.asarray(first.fc), atol=1e-6)
 

@@ -360,8 +360,12 @@ def build_vocab_map(token_counts, draft_vocab_size: int) -> tuple[np.ndarray, np
 def with_draft_vocabulary(trained: Eagle3Params, fresh: Eagle3Params) -> Eagle3Params:
     """A trained head moved to another draft vocabulary, to fine-tune it there: every weight is the trained head's
     except the LM head, whose columns follow `fresh.d2t` (the new vocabulary): a token the trained head drafted
-    keeps its trained column, a token new to it starts from `fresh`'s column (the target's LM head, as
-    `init_eagle3_params` makes it).
+    keeps its trained column, a token new to it starts at the mean of the kept trained columns, so that it starts
+    at an average trained token's logit and training sets it apart (`fresh`'s column, the target's LM head as
+    `init_eagle3_params` makes it, is used only when no trained column is kept). The target's own columns are not
+    on the trained head's scale: on SmolLM2 a head moved to a vocabulary that shares 4,751 of 8,192 tokens with its
+    own drafted a new token first almost everywhere (first-draft top-1 0.43 -> 0.006 on GSM8K answers), with the
+    mean it keeps 0.43.
 
     Args:
         trained: the head to move (its lm_head [d, Vd_old], d2t [Vd_old]).
@@ -374,7 +378,12 @@ def with_draft_vocabulary(trained: Eagle3Params, fresh: Eagle3Params) -> Eagle3P
     old_column[old_ids] = np.arange(len(old_ids))
     kept = old_column[new_ids]  # [Vd_new]
     trained_head = jnp.take(trained.lm_head, jnp.asarray(np.maximum(kept, 0)), axis=1)  # [d, Vd_new]
-    lm_head = jnp.where(jnp.asarray(kept >= 0)[None, :], trained_head.astype(fresh.lm_head.dtype), fresh.lm_head)
+    is_kept = jnp.asarray(kept >= 0)[None, :]  # [1, Vd_new]
+    new_column = fresh.lm_head  # [d, Vd_new]
+    if (kept >= 0).any():
+        mean = jnp.sum(jnp.where(is_kept, trained_head, 0), axis=1, keepdims=True) / np.sum(kept >= 0)  # [d, 1]
+        new_column = jnp.broadcast_to(mean, fresh.lm_head.shape)
+    lm_head = jnp.where(is_kept, trained_head, new_column).astype(fresh.lm_head.dtype)
     return dataclasses.replace(trained, lm_head=lm_head, d2t=fresh.d2t)
 
 
