@@ -11,7 +11,6 @@ Rerunning the same command after an interruption continues from the last finishe
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 
@@ -66,16 +65,11 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def cmd_regenerate(args) -> dict:
     """Runs `jaxspec regenerate` with parsed arguments; prints a one-line summary and returns the manifest."""
     import jax.numpy as jnp
 
-    from jaxspec.data import load_prompt_file, load_sharegpt_prompts, regenerate, select_topics
+    from jaxspec.data import file_sha256, load_prompt_file, load_sharegpt_prompts, regenerate, select_topics
     from jaxspec.loading import load_model
     from jaxspec.sampling import SamplingConfig
 
@@ -94,7 +88,7 @@ def cmd_regenerate(args) -> dict:
     limit = None if args.num_prompts is None else args.first_prompt + args.num_prompts
     if args.prompts:
         prompts = load_prompt_file(args.prompts)[args.first_prompt:limit]
-        kind = f"prompt file {os.path.abspath(args.prompts)} (sha256 {_sha256(args.prompts)[:16]})"
+        kind = f"prompt file {os.path.abspath(args.prompts)} (sha256 {file_sha256(args.prompts)[:16]})"
         what = "prompts"
     else:
         prompts = load_sharegpt_prompts(limit=limit)[args.first_prompt:]
