@@ -29,6 +29,7 @@ from jaxspec.arguments import (
     initialize_distributed,
     method_options,
 )
+from jaxspec.data import read_prompts_file
 from jaxspec.errors import UserError
 
 
@@ -109,29 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     return parser
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """Prompts from a JSON Lines file; a clear error names the bad line."""
-    if not os.path.isfile(path):
-        raise UserError(f"No prompts file at '{path}'.")
-    prompts = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(
-                    f"{path}:{number} is not valid JSON ({e.msg}); write one JSON object per line."
-                ) from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise UserError(f"{path}:{number} has no string field \"prompt\"; write {{\"prompt\": \"...\"}}.")
-            prompts.append(record["prompt"])
-    if not prompts:
-        raise UserError(f"'{path}' holds no prompts.")
-    return prompts
 
 
 def cmd_generate(args) -> None:

@@ -59,17 +59,13 @@ _SPACE = re.compile(r"\s*")
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
-def load_prompt_file(path: str) -> list[str]:
-    """The user prompts of a JSON Lines file, one object with a "prompt" string per line (blank lines skipped), in
-    file order: your own training prompts for `jaxspec regenerate --prompts` (`scripts/make_prompts.py` writes
-    some).
-
-    Raises:
-        UserError: the file is missing, or a line is not such an object (the message names the line).
-    """
+def read_prompts_file(path: str) -> list[str]:
+    """The prompts of a JSON Lines file, one object with a "prompt" string per line (blank lines skipped), in file
+    order: `jaxspec generate --prompts-file` and `jaxspec regenerate --prompts` (your own training prompts;
+    `scripts/make_prompts.py` writes some). A clear error names the bad line."""
     if not os.path.isfile(path):
-        raise UserError(f"No prompt file at '{path}'; give a JSON Lines file with one {{\"prompt\": ...}} per line.")
-    prompts: list[str] = []
+        raise UserError(f"No prompts file at '{path}'.")
+    prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -77,14 +73,14 @@ def load_prompt_file(path: str) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}, line {number}: not JSON ({e.msg}); each line must be one "
-                                f"{{\"prompt\": ...}} object.") from None
-            text = record.get("prompt") if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text.strip():
-                raise UserError(f"{path}, line {number}: expected an object with a non-empty \"prompt\" string.")
-            prompts.append(text.strip())
+                raise UserError(
+                    f"{path}:{number} is not valid JSON ({e.msg}); write one JSON object per line."
+                ) from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise UserError(f"{path}:{number} has no string field \"prompt\"; write {{\"prompt\": \"...\"}}.")
+            prompts.append(record["prompt"])
     if not prompts:
-        raise UserError(f"The prompt file '{path}' holds no prompts.")
+        raise UserError(f"'{path}' holds no prompts.")
     return prompts
 
 

@@ -15,9 +15,9 @@ from jaxspec.data import (
     SHAREGPT_INSTALL,
     RegeneratedDataset,
     _iter_json_array,
-    load_prompt_file,
     load_sharegpt_prompts,
     loss_mask,
+    read_prompts_file,
     regenerate_ids,
 )
 from jaxspec.errors import UserError
@@ -275,19 +275,19 @@ def test_sharegpt_reader_stops_at_a_cut_off_record(tmp_path):
 
 def test_prompt_files_are_read_line_by_line_and_bad_lines_named(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text(json.dumps({"prompt": "  first  "}) + "\n\n" + json.dumps({"prompt": "second", "id": 7}) + "\n")
-    assert load_prompt_file(str(path)) == ["first", "second"]
+    path.write_text(json.dumps({"prompt": "first"}) + "\n\n" + json.dumps({"prompt": "second", "id": 7}) + "\n")
+    assert read_prompts_file(str(path)) == ["first", "second"]
     path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"text": "no prompt key"}) + "\n")
-    with pytest.raises(UserError, match="line 2: expected an object"):
-        load_prompt_file(str(path))
+    with pytest.raises(UserError, match="prompts.jsonl:2 has no string field"):
+        read_prompts_file(str(path))
     path.write_text("{not json\n")
-    with pytest.raises(UserError, match="line 1: not JSON"):
-        load_prompt_file(str(path))
+    with pytest.raises(UserError, match="prompts.jsonl:1 is not valid JSON"):
+        read_prompts_file(str(path))
     path.write_text("\n")
     with pytest.raises(UserError, match="holds no prompts"):
-        load_prompt_file(str(path))
-    with pytest.raises(UserError, match="No prompt file"):
-        load_prompt_file(str(tmp_path / "missing.jsonl"))
+        read_prompts_file(str(path))
+    with pytest.raises(UserError, match="No prompts file"):
+        read_prompts_file(str(tmp_path / "missing.jsonl"))
 
 
 def test_made_prompts_take_the_evaluation_forms_and_none_of_their_items():

@@ -69,7 +69,7 @@ def cmd_regenerate(args) -> dict:
     """Runs `jaxspec regenerate` with parsed arguments; prints a one-line summary and returns the manifest."""
     import jax.numpy as jnp
 
-    from jaxspec.data import file_sha256, load_prompt_file, load_sharegpt_prompts, regenerate, select_topics
+    from jaxspec.data import file_sha256, load_sharegpt_prompts, read_prompts_file, regenerate, select_topics
     from jaxspec.loading import load_model
     from jaxspec.sampling import SamplingConfig
 
@@ -87,7 +87,7 @@ def cmd_regenerate(args) -> dict:
     # before the model: a missing package fails fast
     limit = None if args.num_prompts is None else args.first_prompt + args.num_prompts
     if args.prompts:
-        prompts = load_prompt_file(args.prompts)[args.first_prompt:limit]
+        prompts = read_prompts_file(args.prompts)[args.first_prompt:limit]
         kind = f"prompt file {os.path.abspath(args.prompts)} (sha256 {file_sha256(args.prompts)[:16]})"
         what = "prompts"
     else:
