@@ -524,6 +524,22 @@ def test_training_lowers_the_loss_and_ships_a_lossless_drafter(tiny_data, tmp_pa
     assert method.generate(prompts, max_new_tokens=16, eos_ids=()).token_ids == expected
 
 
+def _tiny_eagle3_config(data: str, out_dir: str, vocab: int, lr: float, eval_holdout: int, **run):
+    """A short EAGLE-3 training run on the tiny Llama-3's regenerated data (the vocabulary-moving tests)."""
+    from jaxspec.config_files import from_dict
+    from jaxspec.training.config import TrainConfig
+
+    return from_dict(TrainConfig, {
+        "method": "eagle3", "target": TINY, "dtype": "float32",
+        "data": {"path": data, "seq_len": 32, "eval_holdout": eval_holdout},
+        "optim": {"learning_rate": lr, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
+        "loss": {"kind": "forward_kl", "position_decay": 0.8},
+        "run": {"steps": 1, "batch_size": 4, "seed": 0, "out_dir": out_dir, "save_every": 1, "eval_every": 0,
+                "log_every": 1, **run},
+        "drafter": {"draft_vocab_size": vocab, "depth": 2, "top_k": 2, "num_nodes": 3, "ttt_steps": 2},
+    })
+
+
 def test_a_head_is_fine_tuned_into_another_draft_vocabulary(tiny_data, tmp_path):
     """run.init_from with another draft_vocab_size: the new head keeps every trained weight and the trained LM-head
     column of each token both vocabularies hold; a token new to it starts at the mean of those trained columns; the
@@ -538,15 +554,7 @@ def test_a_head_is_fine_tuned_into_another_draft_vocabulary(tiny_data, tmp_path)
     target, data = tiny_data
 
     def config(vocab, out, lr=3e-3, **run):
-        return from_dict(TrainConfig, {
-            "method": "eagle3", "target": TINY, "dtype": "float32",
-            "data": {"path": data, "seq_len": 32, "eval_holdout": 4},
-            "optim": {"learning_rate": lr, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
-            "loss": {"kind": "forward_kl", "position_decay": 0.8},
-            "run": {"steps": 1, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / out), "save_every": 1,
-                    "eval_every": 0, "log_every": 1, **run},
-            "drafter": {"draft_vocab_size": vocab, "depth": 2, "top_k": 2, "num_nodes": 3, "ttt_steps": 2},
-        })
+        return _tiny_eagle3_config(data, str(tmp_path / out), vocab, lr, eval_holdout=4, **run)
 
     small = train(config(16, "small", steps=3), progress=False)["params"]
     # one step at a learning rate of 1e-12 shows the starting point
@@ -575,10 +583,8 @@ def test_a_fine_tuned_head_moves_to_its_new_datas_vocabulary_at_the_same_size(ti
     """run.rebuild_draft_vocab: fine-tuned on other data at the same draft_vocab_size, the head takes that data's
     most frequent tokens (a trained column kept for every token both vocabularies hold, a new one at their mean);
     without it the saved vocabulary stays."""
-    from jaxspec.config_files import from_dict
     from jaxspec.data import RegeneratedDataset, regenerate_ids
     from jaxspec.drafters.eagle import response_token_counts
-    from jaxspec.training.config import TrainConfig
     from jaxspec.training.distill import train
 
     target, data = tiny_data
@@ -588,15 +594,7 @@ def test_a_fine_tuned_head_moves_to_its_new_datas_vocabulary_at_the_same_size(ti
                    max_new_tokens=20, batch_size=4, shard_size=6, progress=False)
 
     def config(path, out, lr=3e-3, **run):
-        return from_dict(TrainConfig, {
-            "method": "eagle3", "target": TINY, "dtype": "float32",
-            "data": {"path": path, "seq_len": 32, "eval_holdout": 2},
-            "optim": {"learning_rate": lr, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
-            "loss": {"kind": "forward_kl", "position_decay": 0.8},
-            "run": {"steps": 1, "batch_size": 4, "seed": 0, "out_dir": str(tmp_path / out), "save_every": 1,
-                    "eval_every": 0, "log_every": 1, **run},
-            "drafter": {"draft_vocab_size": 16, "depth": 2, "top_k": 2, "num_nodes": 3, "ttt_steps": 2},
-        })
+        return _tiny_eagle3_config(path, str(tmp_path / out), 16, lr, eval_holdout=2, **run)
 
     first = train(config(data, "first", steps=2), progress=False)["params"]
     saved = str(tmp_path / "first" / "drafter")
