@@ -31,6 +31,30 @@ def test_the_kernel_computes_w_times_x_for_1_to_16_columns(out, inner):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(inner) * np.abs(want).max())
 
 
+@pytest.mark.parametrize("vocab,d", [(131, 70), (66, 20), (1000, 576)])
+def test_the_greedy_head_kernel_gives_the_float32_argmax_for_1_to_16_positions(vocab, d):
+    """The screen's tiles (4 rows and up to 5 positions at once where the CPU has AVX-512) and their tails: token counts
+    that are not a multiple of 4, widths that are not a multiple of 32 (or below it). The screen is the rows rounded
+    to bfloat16 with its honest error bound, so a screen that computed wrong logits would certify a wrong token."""
+    _kernel_or_skip()
+    rng = np.random.default_rng(vocab)
+    rows = rng.standard_normal((vocab, d)).astype(np.float32)  # [V, d]
+    screen = rows.astype(jnp.bfloat16)  # [V, d]
+    rows64, screened64 = rows.astype(np.float64), np.asarray(screen.astype(np.float32), np.float64)
+    unit = 2.0 ** -24
+    error = (np.sqrt(np.max(np.sum((screened64 - rows64) ** 2, axis=1)))
+             + 2 * d * unit / (1 - d * unit) * np.sqrt(np.max(np.sum(rows64 ** 2, axis=1))))
+    head = jax.jit(kernels.greedy_head)
+    for n in range(1, kernels.MAX_COLUMNS + 1):
+        h = rng.standard_normal((n, d)).astype(np.float32)  # [N, d]
+        got = np.asarray(head(jnp.asarray(screen), jnp.asarray(rows), jnp.asarray(h), jnp.float32(error)))  # [N]
+        logits = h.astype(np.float64) @ rows64.T  # [N, V]
+        ranked = np.sort(logits, axis=1)
+        clear = ranked[:, -1] - ranked[:, -2] > 1e-4 * np.abs(ranked[:, -1])  # [N] no float32 near-tie
+        assert clear.sum() >= n - 1
+        np.testing.assert_array_equal(got[clear], np.argmax(logits, axis=1)[clear])
+
+
 def _custom_calls(columns: int) -> int:
     w = jnp.ones((32, 16), jnp.float32)  # [out, in]
     x = jnp.ones((16, columns), jnp.float32)  # [in, N]

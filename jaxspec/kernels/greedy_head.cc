@@ -110,6 +110,72 @@ void screen_row(const uint16_t* w, const float* hs, int64_t d, float* out) {
 using RowScreen = void (*)(const uint16_t*, const float*, int64_t, float*);
 constexpr RowScreen kRowScreens[kGroup + 1] = {nullptr, screen_row<1>, screen_row<2>, screen_row<3>, screen_row<4>};
 
+// The same with 16-wide AVX-512 FMAs for R rows and G positions at once (chosen at run time where the CPU has
+// them): each widened weight register serves G positions and each h register R rows, where `screen_row` loads h
+// for every FMA. 32 bfloat16 weights per 512-bit load, split as above into the even and the odd elements; hs then
+// holds each position's h per 32 elements as the 16 even, then the 16 odd (`screen_order`). The rows of the next
+// tile are prefetched as this one's are read (as small_product.cc's tiles). out[r * kMaxPositions + g].
+constexpr int kTileRows = 4;
+constexpr int kTilePositions = 5;  // 20 accumulators, 8 widened weight registers and one h register of the 32
+template <int R, int G>
+__attribute__((target("avx512f"))) void screen_tile_512(const uint16_t* w, const float* hs, int64_t d, float* out) {
+  const int64_t blocks = d / 32;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[R], odd[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * d + 32 * b), _MM_HINT_T1);
+      const __m512i packed = _mm512_loadu_si512(w + r * d + 32 * b);
+      even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+      odd[r] = _mm512_castsi512_ps(_mm512_and_si512(packed, high));
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 he = _mm512_loadu_ps(hs + g * d + 32 * b);
+      for (int r = 0; r < R; ++r) acc[r][g] = _mm512_fmadd_ps(even[r], he, acc[r][g]);
+      const __m512 ho = _mm512_loadu_ps(hs + g * d + 32 * b + 16);
+      for (int r = 0; r < R; ++r) acc[r][g] = _mm512_fmadd_ps(odd[r], ho, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      float sum = _mm512_reduce_add_ps(acc[r][g]);
+      for (int64_t i = 32 * blocks; i < d; ++i) {
+        const uint32_t bits = uint32_t(w[r * d + i]) << 16;
+        float wi;
+        std::memcpy(&wi, &bits, sizeof wi);
+        sum = std::fma(wi, hs[g * d + i], sum);
+      }
+      out[r * kMaxPositions + g] = sum;
+    }
+  }
+}
+
+using TileScreen = void (*)(const uint16_t*, const float*, int64_t, float*);
+constexpr TileScreen kTileScreens[kTilePositions + 1] = {
+    nullptr, screen_tile_512<kTileRows, 1>, screen_tile_512<kTileRows, 2>, screen_tile_512<kTileRows, 3>,
+    screen_tile_512<kTileRows, 4>, screen_tile_512<kTileRows, 5>};
+constexpr TileScreen kRowTileScreens[kTilePositions + 1] = {
+    nullptr, screen_tile_512<1, 1>, screen_tile_512<1, 2>, screen_tile_512<1, 3>, screen_tile_512<1, 4>,
+    screen_tile_512<1, 5>};
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
+
+// h in the screen's order: per `block` elements (16 for `screen_row`, 32 for `screen_tile_512`) the even elements,
+// then the odd; the elements past the last whole block in natural order. hd: [N, d] -> hs: [N, d].
+void screen_order(const float* hd, int64_t positions, int64_t d, int64_t block, float* hs) {
+  for (int64_t n = 0; n < positions; ++n) {
+    for (int64_t b = 0; b < d / block; ++b) {
+      for (int64_t j = 0; j < block / 2; ++j) {
+        hs[n * d + block * b + j] = hd[n * d + block * b + 2 * j];
+        hs[n * d + block * b + block / 2 + j] = hd[n * d + block * b + 2 * j + 1];
+      }
+    }
+    for (int64_t i = d - d % block; i < d; ++i) hs[n * d + i] = hd[n * d + i];
+  }
+}
+
 struct Work {
   const uint16_t* screen;
   const float* hs;  // [N, d], each position in screen order
@@ -122,8 +188,31 @@ struct Work {
     const int64_t task = tasks.fetch_add(1);
     Best* mine = best.data() + task * positions;
     float scores[kMaxPositions];
+    float tile_scores[kTileRows * kMaxPositions];  // [rows, positions]
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
       const int64_t v1 = std::min(vocab, (c + 1) * kChunkRows);
+      if (kHasAvx512) {
+        // the positions in near-equal groups of at most kTilePositions; the rows in tiles of kTileRows
+        const int64_t groups = (positions + kTilePositions - 1) / kTilePositions;
+        for (int64_t v = c * kChunkRows; v < v1;) {
+          const int64_t rows = v + kTileRows <= v1 ? kTileRows : 1;
+          for (int64_t k = 0, n0 = 0; k < groups; ++k) {
+            const int64_t group = (positions - n0) / (groups - k);
+            (rows == kTileRows ? kTileScreens : kRowTileScreens)[group](screen + v * d, hs + n0 * d, d,
+                                                                         tile_scores + n0);
+            n0 += group;
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t n = 0; n < positions; ++n) {
+              const float s = tile_scores[r * kMaxPositions + n];
+              mine[n].offer(noise ? s + noise[n * vocab + v + r] : s, static_cast<int32_t>(v + r));
+            }
+          }
+          v += rows;
+        }
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
       for (int64_t v = c * kChunkRows; v < v1; ++v) {
         for (int64_t n0 = 0; n0 < positions; n0 += kGroup) {
           const int64_t group = std::min<int64_t>(kGroup, positions - n0);
@@ -152,15 +241,7 @@ ffi::Error HeadArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> screen, ffi::
   }
   const float* hd = h.typed_data();
   std::vector<float> hs(positions * d);  // h in screen order
-  for (int64_t n = 0; n < positions; ++n) {
-    for (int64_t b = 0; b < d / 16; ++b) {
-      for (int j = 0; j < 8; ++j) {
-        hs[n * d + 16 * b + j] = hd[n * d + 16 * b + 2 * j];
-        hs[n * d + 16 * b + 8 + j] = hd[n * d + 16 * b + 2 * j + 1];
-      }
-    }
-    for (int64_t i = d - d % 16; i < d; ++i) hs[n * d + i] = hd[n * d + i];
-  }
+  screen_order(hd, positions, d, kHasAvx512 ? 32 : 16, hs.data());
   auto work = std::make_shared<Work>();
   work->screen = reinterpret_cast<const uint16_t*>(screen.untyped_data());
   work->hs = hs.data();
