@@ -85,11 +85,14 @@ def profile_loop(args) -> None:
     result = run()
     seconds = time.perf_counter() - start
     rounds = args.steps if args.method == "autoregressive" else int(np.asarray(result[2]).max())
-    scopes = op_scopes(fn.lower(*call_args, **kwargs).compile().as_text())
+    compiled = fn.lower(*call_args, **kwargs).compile().as_text()
+    scopes = op_scopes(compiled)
+    kernels = dict(re.findall(r"%(\S+) = .*custom_call_target=\"([^\"]*)\"", compiled))  # ffi op -> its kernel
     times = traced_op_times(run)
     grouped = collections.Counter()
     for op, us in times.items():
-        grouped[_kind(op, scopes.get(op, ""), args.by_op)] += us
+        kind = _kind(op, scopes.get(op, ""), args.by_op)
+        grouped[f"{kind} ({kernels[op]})" if op in kernels else kind] += us
     total = sum(grouped.values())
     print(f"{args.method}, batch {b}, {args.cache} cache slots, {'unstacked' if args.unstacked else 'stacked'} layers: "
           f"{seconds * 1e3 / rounds:.1f} ms per {'step' if args.method == 'autoregressive' else 'round'} "
