@@ -78,8 +78,9 @@ __attribute__((target("avx512f"))) void row_times_columns_512(const float* wo, c
 // serves G FMAs and each column load R, where the one-row loop above loads a column for every FMA. The rows of the
 // next tile are prefetched into L2 as this one's are read (prefetching 4 KB ahead within each row, as the one-row
 // loop does, was slower here: 4 rows of 576 floats lie within 9 KB). On the 2-core Xeon, over SmolLM2's per-layer
-// matrices (docs/cpu-performance.md, eighteenth pass): 5-12% faster than the one-row loop at 3-8 columns and 15% at
-// 12-16, so batch-16 decoding gains 11%. y is [out, columns] row-major: the tile writes y[r * columns + g].
+// matrices (docs/cpu-performance.md, seventeenth pass): 10% faster than the one-row loop at 10-12 columns, and at 16
+// faster than XLA's product, which ran 16 columns before: batch-16 decoding gains 11%. y is [out, columns]
+// row-major: the tile writes y[r * columns + g].
 constexpr int kTileRows = 4;
 constexpr int kTileColumns = 6;  // 24 accumulators, 4 weight registers and one column register of the 32
 template <int R, int G>
@@ -113,7 +114,10 @@ using TileKernel = void (*)(const float*, const float*, float*, int64_t, int64_t
 constexpr TileKernel kTileKernels[kTileColumns + 1] = {
     nullptr, tile_512<kTileRows, 1>, tile_512<kTileRows, 2>, tile_512<kTileRows, 3>, tile_512<kTileRows, 4>,
     tile_512<kTileRows, 5>, tile_512<kTileRows, 6>};
-constexpr int kTileMinColumns = 3;  // at 1-2 columns the one-row loop streams the weights as fast or faster
+// Below 9 columns the one-row loop stays: over the model's own matrices (425 MB, streamed from memory) it is the
+// faster at 2-7 columns (5 columns: 15.3 against 16.2 ms for SmolLM2's 120 products) and level at 8, though the
+// tiles win at 3-8 where the matrices fit the cache (docs/cpu-performance.md, seventeenth pass).
+constexpr int kTileMinColumns = 9;
 
 using RowKernel = void (*)(const float*, const float*, float*, int64_t, bool);
 constexpr RowKernel kRowKernels[kGroup + 1] = {
@@ -128,8 +132,8 @@ constexpr RowKernel kRowKernels512[kGroup512 + 1] = {
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
 // y[o, :] for o in [o0, o1): each row read from memory once, its columns in passes of up to 8 (the second pass
-// reads the row from L1); with AVX-512 in one pass of up to 16 at 1-2 columns, and in tiles of kTileRows rows from
-// kTileMinColumns columns on (the columns in near-equal groups of at most kTileColumns, later groups reading the
+// reads the row from L1); with AVX-512 in one pass of up to 16 below kTileMinColumns columns, and in tiles of
+// kTileRows rows from there on (the columns in near-equal groups of at most kTileColumns, later groups reading the
 // tile's rows from L1 or L2).
 void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, int64_t columns, int64_t o0,
                         int64_t o1) {
