@@ -23,6 +23,7 @@ from jaxspec.drafters.eagle import (
     expand_pool,
     feature_major_head,
     fuse_features,
+    head_dtype,
     head_forward,
     head_logits,
     static_tree,
@@ -382,6 +383,41 @@ def test_the_feature_major_head_computes_the_trained_layout(tiny_llama3):
     with layers_layout("unstacked"):
         assert isinstance(drafter.execution_params(params), FeatureMajorHead)
         assert drafter.execution_params(params) is drafter.execution_params(params)  # converted once
+
+
+def test_a_head_of_bfloat16_values_runs_feature_major_in_bfloat16_with_the_same_numbers(tiny_llama3):
+    """A float32 head whose entries are all bfloat16 values (stored in bfloat16, as the shipped heads are) keeps its
+    matrices in bfloat16 in the per-layer layout (half the bytes a round reads) and computes exactly what its float32
+    layout does: fused features, the layer over 1, 5 and 20 pairs (the kernel at up to 16 columns, XLA past them),
+    its logits; the caches it makes stay float32. A head with any other float32 entry stays float32."""
+    from jaxspec import kernels
+
+    if kernels.load_kernel() is not None or not kernels.small_product_columns():
+        pytest.skip("jaxspec's CPU kernels are off or unavailable here")
+    _, model, _ = tiny_llama3
+    cfg, params = _head(model, scale=0.5, depth=3, top_k=2, num_nodes=5)
+    assert isinstance(feature_major_head(params).fc, jax.Array) and feature_major_head(params).fc.dtype == jnp.float32
+    rounded = jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32), params)  # bfloat16 values
+    half = feature_major_head(rounded)
+    assert half.fc.dtype == half.wqkv.dtype == half.lm_head.dtype == jnp.bfloat16
+    assert half.input_norm.dtype == jnp.float32 and head_dtype(half) == jnp.float32
+    full = dataclasses.replace(half, **{name: getattr(half, name).astype(jnp.float32)
+                                        for name in ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")})
+    rows, rng = 2, np.random.default_rng(1)
+    d, n = model.config.hidden_size, len(cfg.feature_layers)
+    hidden = jnp.asarray(rng.standard_normal((n, rows, 4, d)), jnp.float32)  # [n, B, 4, d]
+    np.testing.assert_array_equal(fuse_features(half, hidden), fuse_features(full, hidden))
+    forward_jit = jax.jit(head_forward, static_argnums=1)
+    for t in (1, 5, 20):
+        tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (rows, t)), jnp.int32)  # [B, T]
+        feats = jnp.asarray(rng.standard_normal((rows, t, d)), jnp.float32)  # [B, T, d]
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (rows, t))  # [B, T]
+        got = forward_jit(half, model.config, model.weights.embed, tokens, feats, positions)
+        want = forward_jit(full, model.config, model.weights.embed, tokens, feats, positions)
+        for g, w in zip(got, want):
+            assert g.dtype == jnp.float32
+            np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(head_logits(half, model.config, feats), head_logits(full, model.config, feats))
 
 
 def test_a_head_with_one_child_per_node_drafts_chains(tiny_llama3):

@@ -31,6 +31,25 @@ def test_the_kernel_computes_w_times_x_for_1_to_16_columns(out, inner):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(inner) * np.abs(want).max())
 
 
+@pytest.mark.parametrize("out,inner", [(7, 13), (64, 576), (131, 1539)])
+def test_the_bfloat16_product_equals_the_float32_kernel_on_its_widened_matrix_bit_for_bit(out, inner):
+    """`bf16_product` (an EAGLE head's matrices kept in bfloat16) widens the weights exactly in registers and sums in
+    the float32 kernel's order: the same numbers at every column count (the one-row loops and the tiles, their
+    tails included)."""
+    _kernel_or_skip()
+    rng = np.random.default_rng(out)
+    w = jnp.asarray(rng.standard_normal((out, inner), np.float32), jnp.bfloat16)  # [out, in]
+    widened = w.astype(jnp.float32)  # [out, in], the same values
+    half, full = jax.jit(kernels.bf16_product), jax.jit(kernels.kernel_product)
+    for n in range(1, kernels.MAX_COLUMNS + 1):
+        x = jnp.asarray(rng.standard_normal((inner, n), np.float32))  # [in, N]
+        got = np.asarray(half(w, x))  # [out, N]
+        assert got.dtype == np.float32 and got.shape == (out, n)
+        np.testing.assert_array_equal(got, np.asarray(full(widened, x)))
+        want = np.asarray(widened, np.float64) @ np.asarray(x, np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(inner) * np.abs(want).max())
+
+
 @pytest.mark.parametrize("vocab,d", [(131, 70), (66, 20), (1000, 576)])
 def test_the_greedy_head_kernel_gives_the_float32_argmax_for_1_to_16_positions(vocab, d):
     """The screen's tiles (4 rows and up to 5 positions at once where the CPU has AVX-512) and their tails: token counts

@@ -92,7 +92,7 @@ from jaxspec.config import ModelConfig, RopeScaling
 from jaxspec.drafters.base import Drafter, RoundInputs
 from jaxspec.drafters.prompt_lookup import lookup_chain
 from jaxspec.errors import UserError
-from jaxspec.kernels import feature_major_product
+from jaxspec.kernels import feature_major_product, small_product_columns
 from jaxspec.losses import decay_weights, gamma_weights, masked_mean, per_position_loss
 from jaxspec.model import (
     NEG_INF,
@@ -313,28 +313,43 @@ class FeatureMajorHead:
 
 
 def feature_major_head(params: Eagle3Params) -> FeatureMajorHead:
-    """The head in the per-layer CPU layout (`FeatureMajorHead`): the same weights, transposed and fused."""
+    """The head in the per-layer CPU layout (`FeatureMajorHead`): the same weights, transposed and fused.
+
+    Where every matrix entry of a float32 head is a bfloat16 value (a head stored in bfloat16, as the shipped ones
+    are) and jaxspec's CPU kernels run, the matrices are kept in bfloat16: `feature_major_product` widens them exactly
+    in registers, so the head computes the same numbers from half the bytes (a round's drafting reads the head's
+    matrices from memory). The norms, the caches and the activations stay float32."""
     two_d = params.wq.shape[0]
     d = params.fc.shape[1]
     qkv = jnp.concatenate([params.wq.reshape(two_d, -1), params.wk.reshape(two_d, -1), params.wv.reshape(two_d, -1)],
                           axis=1)  # [2d, (Hq + 2 Hkv) h]
-    return FeatureMajorHead(fc=params.fc.T, input_norm=params.input_norm, hidden_norm=params.hidden_norm, wqkv=qkv.T,
-                            wo=params.wo.reshape(-1, d).T, mlp_norm=params.mlp_norm,
-                            w_gate_up=jnp.concatenate([params.w_gate, params.w_up], axis=1).T, w_down=params.w_down.T,
-                            final_norm=params.final_norm, lm_head=params.lm_head.T, d2t=params.d2t,
-                            fc_norm=params.fc_norm)
+    matrices = dict(fc=params.fc.T, wqkv=qkv.T, wo=params.wo.reshape(-1, d).T,
+                    w_gate_up=jnp.concatenate([params.w_gate, params.w_up], axis=1).T, w_down=params.w_down.T,
+                    lm_head=params.lm_head.T)
+    if _bfloat16_exact(matrices.values()) and jax.default_backend() == "cpu" and small_product_columns():
+        matrices = {name: w.astype(jnp.bfloat16) for name, w in matrices.items()}
+    return FeatureMajorHead(input_norm=params.input_norm, hidden_norm=params.hidden_norm, mlp_norm=params.mlp_norm,
+                            final_norm=params.final_norm, d2t=params.d2t, fc_norm=params.fc_norm, **matrices)
+
+
+def _bfloat16_exact(matrices) -> bool:
+    """Whether every entry of these float32 matrices is a bfloat16 value (rounding to bfloat16 changes none)."""
+    return all(w.dtype == jnp.float32 and bool(jnp.array_equal(w.astype(jnp.bfloat16).astype(jnp.float32), w))
+               for w in matrices)
 
 
 def _times(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] times a feature-major matrix w [out, in] -> [..., out] (`feature_major_product` on x's rows)."""
     lead = x.shape[:-1]
-    out = feature_major_product(w, x.reshape(-1, x.shape[-1]).astype(w.dtype).T)  # [out, N]
+    x_dtype = jnp.float32 if w.dtype == jnp.bfloat16 else w.dtype  # a bfloat16 matrix multiplies float32 columns
+    out = feature_major_product(w, x.reshape(-1, x.shape[-1]).astype(x_dtype).T)  # [out, N]
     return out.T.reshape(*lead, w.shape[0])
 
 
 def head_dtype(params: Eagle3Params | FeatureMajorHead):
-    """The dtype of the head's matrices (and of the keys and values it caches)."""
-    return params.fc.dtype
+    """The dtype the head computes in (and of the keys and values it caches): its parameters', the norms' where a
+    `FeatureMajorHead` keeps its matrices in bfloat16."""
+    return params.input_norm.dtype
 
 
 def build_vocab_map(token_counts, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -452,7 +467,7 @@ def fuse_features(params: Eagle3Params, hidden: jax.Array, eps: float | None = N
         if eps is None:
             raise ValueError("This head normalises each fused layer (fc_norm): pass the head's rms_norm_eps.")
         x = rms_norm(x.astype(params.fc_norm.dtype), params.fc_norm, eps)  # [..., n, d]
-    x = x.reshape(*x.shape[:-2], -1).astype(params.fc.dtype)  # [..., n d]
+    x = x.reshape(*x.shape[:-2], -1).astype(head_dtype(params))  # [..., n d]
     if isinstance(params, FeatureMajorHead):
         return _times(x, params.fc)  # [..., d]
     return jnp.einsum("...e,ed->...d", x, params.fc)

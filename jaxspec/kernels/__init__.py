@@ -8,7 +8,8 @@ library matrix product that costs 1.6-1.9 such streams on the 2-core EPYC (docs/
 `small_product.cc` streams each row of the weight once and multiplies it with all the columns: on that machine
 2 / 4 columns of SmolLM2's MLPs cost 1.2 / 1.35 single-column products instead of 1.8 / 1.9. Where the CPU has
 AVX-512 (the 2-core Xeon) a 16-wide loop runs instead, and there it streams even one column faster than XLA's
-matrix-vector loop: a decoding step 26-28 -> 22 ms.
+matrix-vector loop: a decoding step 26-28 -> 22 ms. The same loops take a bfloat16 matrix (`bf16_product`), widened
+exactly in registers: an EAGLE head stored in bfloat16 drafts from half the bytes, with the same products.
 
 It is built on first use with the system's C++ compiler (g++, AVX2 and FMA; about 10 seconds) into
 `jaxspec.budget.cache_folder()`, and called through XLA's FFI. Whether it pays depends on the machine, so the
@@ -47,6 +48,7 @@ TARGET_NAME = "jaxspec_small_product"
 ATTENTION_TARGET_NAME = "jaxspec_cache_attention"
 GREEDY_HEAD_TARGET_NAME = "jaxspec_greedy_head"
 SAMPLED_HEAD_TARGET_NAME = "jaxspec_sampled_head"
+BF16_PRODUCT_TARGET_NAME = "jaxspec_bf16_product"
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -114,6 +116,8 @@ def load_kernel() -> str | None:
                                     platform="cpu")
         jax.ffi.register_ffi_target(SAMPLED_HEAD_TARGET_NAME, jax.ffi.pycapsule(library.JaxspecSampledHead),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(BF16_PRODUCT_TARGET_NAME, jax.ffi.pycapsule(library.JaxspecBf16Product),
+                                    platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"it could not be built or loaded: {e}"
     return None
@@ -123,6 +127,14 @@ def kernel_product(w: jax.Array, x: jax.Array) -> jax.Array:
     """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 16 -> f32[out, N]."""
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(w, x)
+
+
+def bf16_product(w: jax.Array, x: jax.Array) -> jax.Array:
+    """w @ x by the kernel (which must be loaded) from a bfloat16 matrix: w bf16[out, in], x f32[in, N] with
+    1 <= N <= 16 -> f32[out, N], bit for bit `kernel_product(w.astype(float32), x)` (the weights are widened exactly in
+    registers and summed in the same order), reading half the bytes."""
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(BF16_PRODUCT_TARGET_NAME, out, vmap_method="sequential")(w, x)
 
 
 def greedy_head(screen: jax.Array, rows: jax.Array, h: jax.Array, error: jax.Array,
@@ -224,8 +236,14 @@ def small_product_columns() -> frozenset[int]:
 def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
     """w @ x for a feature-major layer on CPU: w [out, in], x [in, N] -> [out, N]. By the kernel for float32 and N
     in `small_product_columns()` (measured: on the Xeon one column too, where the AVX-512 loop beats XLA's
-    matrix-vector loop), by XLA otherwise."""
+    matrix-vector loop), by XLA otherwise. A bfloat16 w (an EAGLE head whose weights are bfloat16 values,
+    `jaxspec.drafters.eagle.feature_major_head`) with float32 x gives float32: by `bf16_product` at 1-16 columns, else
+    from w widened to float32 by XLA."""
     n = x.shape[1]
+    if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
+        if 1 <= n <= MAX_COLUMNS and jax.default_backend() == "cpu" and small_product_columns():
+            return bf16_product(w, x)
+        return w.astype(jnp.float32) @ x
     if (1 <= n <= MAX_COLUMNS and w.dtype == jnp.float32 and x.dtype == jnp.float32
             and jax.default_backend() == "cpu" and n in small_product_columns()):
         return kernel_product(w, x)

@@ -6,11 +6,16 @@
 // of N <= 16 tokens reads the weights once. Built by jaxspec/kernels/__init__.py, called through XLA's FFI.
 //
 //   w: f32[out, in] (a FeatureMajorLayer matrix, or an embedding), x: f32[in, N], y: f32[out, N] = w @ x.
+//   JaxspecBf16Product: the same with w bf16[out, in] (an EAGLE head stored in bfloat16), bit for bit the float32
+//   kernel's products of w widened.
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -28,26 +33,47 @@ using jaxspec::horizontal_sum;
 constexpr int kMaxColumns = 16;
 constexpr int64_t kChunkRows = 64;  // rows of w a task takes at a time
 
+// The weights come as float32, or as bfloat16 (JaxspecBf16Product) widened in registers: a bfloat16 is the high half
+// of a float32, so widening is exact, and the loops below take 8 or 16 weights in their natural order either way. A
+// bfloat16 matrix thus gives, bit for bit, the products of its float32 copy while reading half the bytes.
+inline float weight_at(const float* w, int64_t i) { return w[i]; }
+inline float weight_at(const uint16_t* w, int64_t i) {
+  const uint32_t bits = uint32_t(w[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* w) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
 // One row of w times G columns of x: yo[n] = w_row . xr[n] for n < G (xr is x transposed, [N, in], each column
 // contiguous and kept in L1). The row is prefetched 4 KB ahead: on the 2-core EPYC that streams the weights at about
 // XLA's matrix-vector bandwidth for one column, and keeps 2-4 within 1.25x of it (two rows at a time, or no
 // prefetch, were 10-25% slower).
-constexpr int64_t kPrefetchFloats = 1024;
+constexpr int64_t kPrefetchBytes = 4096;
 constexpr int kGroup = 8;  // columns per pass over a row: 8 accumulators, one weight and one column register
 
-template <int G>
-void row_times_columns(const float* wo, const float* xr, float* yo, int64_t in, bool prefetch) {
+template <typename W, int G>
+void row_times_columns(const W* wo, const float* xr, float* yo, int64_t in, bool prefetch) {
   const int64_t vec_end = in - in % 8;
   __m256 acc[G];
   for (int n = 0; n < G; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t i = 0; i < vec_end; i += 8) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wo + i + kPrefetchFloats), _MM_HINT_T0);
-    const __m256 wv = _mm256_loadu_ps(wo + i);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wo + i) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256 wv = load8(wo + i);
     for (int n = 0; n < G; ++n) acc[n] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + n * in + i), acc[n]);
   }
   for (int n = 0; n < G; ++n) {
     float sum = horizontal_sum(acc[n]);
-    for (int64_t i = vec_end; i < in; ++i) sum += wo[i] * xr[n * in + i];
+    for (int64_t i = vec_end; i < in; ++i) sum = std::fma(weight_at(wo, i), xr[n * in + i], sum);
     yo[n] = sum;
   }
 }
@@ -56,20 +82,20 @@ void row_times_columns(const float* wo, const float* xr, float* yo, int64_t in, 
 // half the loads and FMAs per weight, and the row prefetched into L2 (one prefetch per 64-byte line). On the 2-core
 // Xeon (docs/cpu-performance.md) 10-30% faster than the 8-wide loop at 1-8 columns, and faster than XLA's own
 // matrix-vector loop at one column; prefetching into L1, or two rows at a time, were slower.
-template <int G>
-__attribute__((target("avx512f"))) void row_times_columns_512(const float* wo, const float* xr, float* yo, int64_t in,
+template <typename W, int G>
+__attribute__((target("avx512f"))) void row_times_columns_512(const W* wo, const float* xr, float* yo, int64_t in,
                                                                bool prefetch) {
   const int64_t vec_end = in - in % 16;
   __m512 acc[G];
   for (int n = 0; n < G; ++n) acc[n] = _mm512_setzero_ps();
   for (int64_t i = 0; i < vec_end; i += 16) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wo + i + kPrefetchFloats), _MM_HINT_T1);
-    const __m512 wv = _mm512_loadu_ps(wo + i);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wo + i) + kPrefetchBytes, _MM_HINT_T1);
+    const __m512 wv = load16(wo + i);
     for (int n = 0; n < G; ++n) acc[n] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xr + n * in + i), acc[n]);
   }
   for (int n = 0; n < G; ++n) {
     float sum = _mm512_reduce_add_ps(acc[n]);
-    for (int64_t i = vec_end; i < in; ++i) sum += wo[i] * xr[n * in + i];
+    for (int64_t i = vec_end; i < in; ++i) sum = std::fma(weight_at(wo, i), xr[n * in + i], sum);
     yo[n] = sum;
   }
 }
@@ -83,9 +109,9 @@ __attribute__((target("avx512f"))) void row_times_columns_512(const float* wo, c
 // row-major: the tile writes y[r * columns + g].
 constexpr int kTileRows = 4;
 constexpr int kTileColumns = 6;  // 24 accumulators, 4 weight registers and one column register of the 32
-template <int R, int G>
-__attribute__((target("avx512f"))) void tile_512(const float* w, const float* xr, float* y, int64_t in,
-                                                 int64_t columns, bool prefetch) {
+template <typename W, int R, int G>
+__attribute__((target("avx512f"))) void tile_512(const W* w, const float* xr, float* y, int64_t in, int64_t columns,
+                                                 bool prefetch) {
   const int64_t vec_end = in - in % 16;
   __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
@@ -94,7 +120,7 @@ __attribute__((target("avx512f"))) void tile_512(const float* w, const float* xr
     __m512 wv[R];
     for (int r = 0; r < R; ++r) {
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * in + i), _MM_HINT_T1);
-      wv[r] = _mm512_loadu_ps(w + r * in + i);
+      wv[r] = load16(w + r * in + i);
     }
     for (int g = 0; g < G; ++g) {
       const __m512 xv = _mm512_loadu_ps(xr + g * in + i);
@@ -104,39 +130,46 @@ __attribute__((target("avx512f"))) void tile_512(const float* w, const float* xr
   for (int r = 0; r < R; ++r) {
     for (int g = 0; g < G; ++g) {
       float sum = _mm512_reduce_add_ps(acc[r][g]);
-      for (int64_t i = vec_end; i < in; ++i) sum += w[r * in + i] * xr[g * in + i];
+      for (int64_t i = vec_end; i < in; ++i) sum = std::fma(weight_at(w + r * in, i), xr[g * in + i], sum);
       y[r * columns + g] = sum;
     }
   }
 }
 
-using TileKernel = void (*)(const float*, const float*, float*, int64_t, int64_t, bool);
-constexpr TileKernel kTileKernels[kTileColumns + 1] = {
-    nullptr, tile_512<kTileRows, 1>, tile_512<kTileRows, 2>, tile_512<kTileRows, 3>, tile_512<kTileRows, 4>,
-    tile_512<kTileRows, 5>, tile_512<kTileRows, 6>};
+template <typename W>
+using TileKernel = void (*)(const W*, const float*, float*, int64_t, int64_t, bool);
+template <typename W>
+constexpr TileKernel<W> kTileKernels[kTileColumns + 1] = {
+    nullptr, tile_512<W, kTileRows, 1>, tile_512<W, kTileRows, 2>, tile_512<W, kTileRows, 3>,
+    tile_512<W, kTileRows, 4>, tile_512<W, kTileRows, 5>, tile_512<W, kTileRows, 6>};
 // Below 9 columns the one-row loop stays: over the model's own matrices (425 MB, streamed from memory) it is the
 // faster at 2-7 columns (5 columns: 15.3 against 16.2 ms for SmolLM2's 120 products) and level at 8, though the
 // tiles win at 3-8 where the matrices fit the cache (docs/cpu-performance.md, seventeenth pass).
 constexpr int kTileMinColumns = 9;
 
-using RowKernel = void (*)(const float*, const float*, float*, int64_t, bool);
-constexpr RowKernel kRowKernels[kGroup + 1] = {
-    nullptr, row_times_columns<1>, row_times_columns<2>, row_times_columns<3>, row_times_columns<4>,
-    row_times_columns<5>, row_times_columns<6>, row_times_columns<7>, row_times_columns<8>};
+template <typename W>
+using RowKernel = void (*)(const W*, const float*, float*, int64_t, bool);
+template <typename W>
+constexpr RowKernel<W> kRowKernels[kGroup + 1] = {
+    nullptr, row_times_columns<W, 1>, row_times_columns<W, 2>, row_times_columns<W, 3>, row_times_columns<W, 4>,
+    row_times_columns<W, 5>, row_times_columns<W, 6>, row_times_columns<W, 7>, row_times_columns<W, 8>};
 constexpr int kGroup512 = 16;  // AVX-512 has 32 registers: 16 accumulators, one weight and one column register
-constexpr RowKernel kRowKernels512[kGroup512 + 1] = {
-    nullptr, row_times_columns_512<1>, row_times_columns_512<2>, row_times_columns_512<3>, row_times_columns_512<4>,
-    row_times_columns_512<5>, row_times_columns_512<6>, row_times_columns_512<7>, row_times_columns_512<8>,
-    row_times_columns_512<9>, row_times_columns_512<10>, row_times_columns_512<11>, row_times_columns_512<12>,
-    row_times_columns_512<13>, row_times_columns_512<14>, row_times_columns_512<15>, row_times_columns_512<16>};
+template <typename W>
+constexpr RowKernel<W> kRowKernels512[kGroup512 + 1] = {
+    nullptr, row_times_columns_512<W, 1>, row_times_columns_512<W, 2>, row_times_columns_512<W, 3>,
+    row_times_columns_512<W, 4>, row_times_columns_512<W, 5>, row_times_columns_512<W, 6>,
+    row_times_columns_512<W, 7>, row_times_columns_512<W, 8>, row_times_columns_512<W, 9>,
+    row_times_columns_512<W, 10>, row_times_columns_512<W, 11>, row_times_columns_512<W, 12>,
+    row_times_columns_512<W, 13>, row_times_columns_512<W, 14>, row_times_columns_512<W, 15>,
+    row_times_columns_512<W, 16>};
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
 // y[o, :] for o in [o0, o1): each row read from memory once, its columns in passes of up to 8 (the second pass
 // reads the row from L1); with AVX-512 in one pass of up to 16 below kTileMinColumns columns, and in tiles of
 // kTileRows rows from there on (the columns in near-equal groups of at most kTileColumns, later groups reading the
 // tile's rows from L1 or L2).
-void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, int64_t columns, int64_t o0,
-                        int64_t o1) {
+template <typename W>
+void rows_times_columns(const W* w, const float* xr, float* y, int64_t in, int64_t columns, int64_t o0, int64_t o1) {
   if (kHasAvx512 && columns >= kTileMinColumns) {
     const int64_t groups = (columns + kTileColumns - 1) / kTileColumns;
     for (int64_t o = o0; o < o1;) {
@@ -144,9 +177,9 @@ void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, i
       for (int64_t k = 0, n0 = 0; k < groups; ++k) {
         const int64_t group = (columns - n0) / (groups - k);
         if (rows == kTileRows) {
-          kTileKernels[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, columns, k == 0);
+          kTileKernels<W>[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, columns, k == 0);
         } else {
-          kRowKernels512[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, k == 0);
+          kRowKernels512<W>[group](w + o * in, xr + n0 * in, y + o * columns + n0, in, k == 0);
         }
         n0 += group;
       }
@@ -155,7 +188,7 @@ void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, i
     return;
   }
   const int group_size = kHasAvx512 ? kGroup512 : kGroup;
-  const RowKernel* kernels = kHasAvx512 ? kRowKernels512 : kRowKernels;
+  const RowKernel<W>* kernels = kHasAvx512 ? kRowKernels512<W> : kRowKernels<W>;
   for (int64_t o = o0; o < o1; ++o) {
     for (int64_t n0 = 0; n0 < columns; n0 += group_size) {
       const int64_t group = std::min<int64_t>(group_size, columns - n0);
@@ -166,9 +199,10 @@ void rows_times_columns(const float* w, const float* xr, float* y, int64_t in, i
 
 // The chunks of one call, taken by the caller and by the tasks it schedules on XLA's intra-op pool. A task that
 // starts after the last chunk was taken does nothing, so the caller waits only for the chunks, never for the tasks.
+template <typename W>
 struct Work {
   int64_t columns;
-  const float* w;
+  const W* w;
   const float* xr;
   float* y;
   int64_t in, out, chunks;
@@ -183,28 +217,28 @@ struct Work {
   }
 };
 
-ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  const auto w_dims = w.dimensions(), x_dims = x.dimensions();
+// y = w @ x with w [out, in] (float32 or bfloat16 as uint16_t), x [in, N], y [out, N]; `name` for the messages.
+template <typename W>
+ffi::Error product(ffi::ThreadPool& pool, const W* w, const std::vector<int64_t>& w_dims, const float* xd,
+                   const std::vector<int64_t>& x_dims, float* y, const char* name) {
   if (w_dims.size() != 2 || x_dims.size() != 2 || w_dims[1] != x_dims[0]) {
-    return ffi::Error::InvalidArgument("jaxspec_small_product: expects w [out, in] and x [in, N]");
+    return ffi::Error::InvalidArgument(std::string(name) + ": expects w [out, in] and x [in, N]");
   }
   const int64_t out = w_dims[0], in = w_dims[1], columns = x_dims[1];
   if (columns < 1 || columns > kMaxColumns) {
-    return ffi::Error::InvalidArgument("jaxspec_small_product: x must have 1 to 16 columns");
+    return ffi::Error::InvalidArgument(std::string(name) + ": x must have 1 to 16 columns");
   }
   // x transposed: [N, in], 64-byte aligned (a 16-lane load that straddles two cache lines costs two)
   std::unique_ptr<float, decltype(&std::free)> xr(
       static_cast<float*>(std::aligned_alloc(64, ((columns * in * sizeof(float) + 63) / 64) * 64)), &std::free);
-  if (xr == nullptr) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxspec_small_product: out of memory");
-  const float* xd = x.typed_data();
+  if (xr == nullptr) return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(name) + ": out of memory");
   for (int64_t i = 0; i < in; ++i)
     for (int64_t n = 0; n < columns; ++n) xr.get()[n * in + i] = xd[i * columns + n];
-  auto work = std::make_shared<Work>();
+  auto work = std::make_shared<Work<W>>();
   work->columns = columns;
-  work->w = w.typed_data();
+  work->w = w;
   work->xr = xr.get();
-  work->y = y->typed_data();
+  work->y = y;
   work->in = in;
   work->out = out;
   work->chunks = (out + kChunkRows - 1) / kChunkRows;
@@ -213,11 +247,32 @@ ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buff
   return ffi::Error::Success();
 }
 
+std::vector<int64_t> dims_of(ffi::Span<const int64_t> dims) { return std::vector<int64_t>(dims.begin(), dims.end()); }
+
+ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return product(pool, w.typed_data(), dims_of(w.dimensions()), x.typed_data(), dims_of(x.dimensions()),
+                 y->typed_data(), "jaxspec_small_product");
+}
+
+ffi::Error Bf16Product(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> x,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return product(pool, reinterpret_cast<const uint16_t*>(w.untyped_data()), dims_of(w.dimensions()), x.typed_data(),
+                 dims_of(x.dimensions()), y->typed_data(), "jaxspec_bf16_product");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecSmallProduct, SmallProduct,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecBf16Product, Bf16Product,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
