@@ -135,7 +135,7 @@ class Method:
         expected tokens/s from the device's verification cost model and the head's measured acceptance. Drafting is
         costed from the head's own matrices at the target's seconds per weight (`jaxspec.budget.eagle_draft_seconds`:
         the layer and fusion over the last round's nodes + 1 pairs, the LM head over the draft vocabulary, and each
-        further depth's layer and LM head over top_k nodes).
+        further depth's layer and LM head over top_k nodes), a head run in bfloat16 at half that.
 
         The acceptance model at T=0 comes from the head's ranks along greedy text (and the lookup chain's runs); with
         sampling (greedy False) from the target's probabilities of the head's top-k candidates (`draft_mass`: a
@@ -149,9 +149,13 @@ class Method:
         greedy_cost, cfg, head = self._cost_model_at(batch, EAGLE_TOKEN_COUNTS), self.target.config, self.params
         cost = greedy_cost if greedy else self._cost_model_at(batch, EAGLE_TOKEN_COUNTS, greedy=False)
         fuse, vocab = int(np.size(head.fc)), int(np.size(head.lm_head))
+        # a head whose matrices run in bfloat16 (`feature_major_head`) reads half the bytes a weight of the target's
+        # float32 layers does: its weights count by their bytes (drafting reads them from memory)
+        executed = self.drafter.execution_params(head, self.mesh)
+        bytes_ratio = executed.fc.dtype.itemsize / self.target.weights.embed.dtype.itemsize
         work = dict(target_work=parameter_count(self.target.weights.layers) + cfg.vocab_size * cfg.hidden_size,
-                    layer_work=parameter_count(head) - fuse - vocab - int(np.size(head.d2t)), fuse_work=fuse,
-                    vocab_work=vocab)
+                    layer_work=round(bytes_ratio * (parameter_count(head) - fuse - vocab - int(np.size(head.d2t)))),
+                    fuse_work=round(bytes_ratio * fuse), vocab_work=round(bytes_ratio * vocab))
 
         def draft_seconds(rows: int, shape) -> float:
             return eagle_draft_seconds(greedy_cost, rows, shape, **work)
