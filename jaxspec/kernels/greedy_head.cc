@@ -153,11 +153,10 @@ __attribute__((target("avx512f"))) void screen_tile_512(const uint16_t* w, const
   }
 }
 
-using TileScreen = void (*)(const uint16_t*, const float*, int64_t, float*);
-constexpr TileScreen kTileScreens[kTilePositions + 1] = {
+constexpr RowScreen kTileScreens[kTilePositions + 1] = {
     nullptr, screen_tile_512<kTileRows, 1>, screen_tile_512<kTileRows, 2>, screen_tile_512<kTileRows, 3>,
     screen_tile_512<kTileRows, 4>, screen_tile_512<kTileRows, 5>};
-constexpr TileScreen kRowTileScreens[kTilePositions + 1] = {
+constexpr RowScreen kRowTileScreens[kTilePositions + 1] = {
     nullptr, screen_tile_512<1, 1>, screen_tile_512<1, 2>, screen_tile_512<1, 3>, screen_tile_512<1, 4>,
     screen_tile_512<1, 5>};
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
@@ -187,40 +186,28 @@ struct Work {
   void run() {
     const int64_t task = tasks.fetch_add(1);
     Best* mine = best.data() + task * positions;
-    float scores[kMaxPositions];
-    float tile_scores[kTileRows * kMaxPositions];  // [rows, positions]
+    // rows in tiles of kTileRows with AVX-512 (the chunk's last few one at a time), one at a time without; the
+    // positions in near-equal groups of at most as many as one pass takes
+    const int64_t tile_rows = kHasAvx512 ? kTileRows : 1, most = kHasAvx512 ? kTilePositions : kGroup;
+    const int64_t groups = (positions + most - 1) / most;
+    float scores[kTileRows * kMaxPositions];  // [rows, positions]: screen_row and the tiles write row r at r * 16
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
       const int64_t v1 = std::min(vocab, (c + 1) * kChunkRows);
-      if (kHasAvx512) {
-        // the positions in near-equal groups of at most kTilePositions; the rows in tiles of kTileRows
-        const int64_t groups = (positions + kTilePositions - 1) / kTilePositions;
-        for (int64_t v = c * kChunkRows; v < v1;) {
-          const int64_t rows = v + kTileRows <= v1 ? kTileRows : 1;
-          for (int64_t k = 0, n0 = 0; k < groups; ++k) {
-            const int64_t group = (positions - n0) / (groups - k);
-            (rows == kTileRows ? kTileScreens : kRowTileScreens)[group](screen + v * d, hs + n0 * d, d,
-                                                                         tile_scores + n0);
-            n0 += group;
+      for (int64_t v = c * kChunkRows; v < v1;) {
+        const int64_t rows = v + tile_rows <= v1 ? tile_rows : 1;
+        const RowScreen* screens = !kHasAvx512 ? kRowScreens : rows == kTileRows ? kTileScreens : kRowTileScreens;
+        for (int64_t k = 0, n0 = 0; k < groups; ++k) {
+          const int64_t group = (positions - n0) / (groups - k);
+          screens[group](screen + v * d, hs + n0 * d, d, scores + n0);
+          n0 += group;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t n = 0; n < positions; ++n) {
+            const float s = scores[r * kMaxPositions + n];
+            mine[n].offer(noise ? s + noise[n * vocab + v + r] : s, static_cast<int32_t>(v + r));
           }
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t n = 0; n < positions; ++n) {
-              const float s = tile_scores[r * kMaxPositions + n];
-              mine[n].offer(noise ? s + noise[n * vocab + v + r] : s, static_cast<int32_t>(v + r));
-            }
-          }
-          v += rows;
         }
-        done.fetch_add(1, std::memory_order_release);
-        continue;
-      }
-      for (int64_t v = c * kChunkRows; v < v1; ++v) {
-        for (int64_t n0 = 0; n0 < positions; n0 += kGroup) {
-          const int64_t group = std::min<int64_t>(kGroup, positions - n0);
-          kRowScreens[group](screen + v * d, hs + n0 * d, d, scores + n0);
-        }
-        for (int64_t n = 0; n < positions; ++n) {
-          mine[n].offer(noise ? scores[n] + noise[n * vocab + v] : scores[n], static_cast<int32_t>(v));
-        }
+        v += rows;
       }
       done.fetch_add(1, std::memory_order_release);  // publishes this chunk's offers with it
     }
