@@ -74,14 +74,16 @@ def test_the_greedy_head_kernel_gives_the_float32_argmax_for_1_to_16_positions(v
         np.testing.assert_array_equal(got[clear], np.argmax(logits, axis=1)[clear])
 
 
-def _custom_calls(columns: int) -> int:
-    w = jnp.ones((32, 16), jnp.float32)  # [out, in]
+def _custom_calls(columns: int, dtype=jnp.float32, target: str = kernels.TARGET_NAME) -> int:
+    w = jnp.ones((32, 16), dtype)  # [out, in]
     x = jnp.ones((16, columns), jnp.float32)  # [in, N]
     traced = jax.jit(lambda w, x: kernels.feature_major_product(w, x))  # a new function: traced afresh
-    return traced.lower(w, x).as_text().count(kernels.TARGET_NAME)
+    return traced.lower(w, x).as_text().count(target)
 
 
 def test_feature_major_products_use_the_kernel_for_the_columns_chosen(monkeypatch):
+    """float32 matrices, and bfloat16 ones at the same column counts (so a bfloat16 head computes what its float32
+    copy does, kernel or XLA)."""
     _kernel_or_skip()
     try:
         for setting, served in [("16", range(1, 17)), ("3", range(1, 4)), ("off", ())]:
@@ -89,6 +91,7 @@ def test_feature_major_products_use_the_kernel_for_the_columns_chosen(monkeypatc
             kernels.small_product_columns.cache_clear()
             for n in range(1, 19):
                 assert _custom_calls(n) == (1 if n in served else 0), (setting, n)
+                assert _custom_calls(n, jnp.bfloat16, kernels.BF16_PRODUCT_TARGET_NAME) == (1 if n in served else 0)
         monkeypatch.setenv(kernels.ENV, "seventeen")
         kernels.small_product_columns.cache_clear()
         with pytest.raises(UserError, match="column count from 1 to 16"):

@@ -237,11 +237,11 @@ def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
     """w @ x for a feature-major layer on CPU: w [out, in], x [in, N] -> [out, N]. By the kernel for float32 and N
     in `small_product_columns()` (measured: on the Xeon one column too, where the AVX-512 loop beats XLA's
     matrix-vector loop), by XLA otherwise. A bfloat16 w (an EAGLE head whose weights are bfloat16 values,
-    `jaxspec.drafters.eagle.feature_major_head`) with float32 x gives float32: by `bf16_product` at 1-16 columns, else
-    from w widened to float32 by XLA."""
+    `jaxspec.drafters.eagle.feature_major_head`) with float32 x gives float32, exactly what its float32 copy gives: by
+    `bf16_product` where the copy would run the kernel, else from w widened to float32 by XLA."""
     n = x.shape[1]
     if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
-        if 1 <= n <= MAX_COLUMNS and jax.default_backend() == "cpu" and small_product_columns():
+        if 1 <= n <= MAX_COLUMNS and jax.default_backend() == "cpu" and n in small_product_columns():
             return bf16_product(w, x)
         return w.astype(jnp.float32) @ x
     if (1 <= n <= MAX_COLUMNS and w.dtype == jnp.float32 and x.dtype == jnp.float32
