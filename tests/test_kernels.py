@@ -140,6 +140,9 @@ def test_without_a_compiler_the_products_stay_with_xla(monkeypatch, tmp_path):
     (1, 2, 2, 4, 128, 48, [45]),  # two 64-lane passes over the values (Qwen's head size)
     (2, 3, 1, 2, 80, 40, [33, 17]),  # one 64-lane pass and a scalar remainder
     (16, 1, 3, 3, 64, 128, [108, 68, 81, 125, 21, 47, 89, 126, 35, 4, 67, 26, 61, 48, 89, 17]),
+    (1, 7, 1, 1, 64, 32, [20]),  # with AVX-512: 7 queries as 3 + 3 + 1 over the keys, 6 + 1 over the values
+    (1, 5, 2, 1, 64, 24, [10]),  # 3 + 2 over the keys, 5 over the values
+    (2, 2, 2, 2, 128, 40, [33, 9]),  # 3 + 1 over the keys, 4 over the values, two 64-lane passes
 ])
 def test_cache_attention_computes_the_models_attention(b, t, k, g, h, s, lengths):
     """The kernel against jaxspec.model._attention's own XLA path (computed in float64 by numpy here too), over

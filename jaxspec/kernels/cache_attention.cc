@@ -6,7 +6,8 @@
 // reads each row's keys and values up to its length only: for each (row, key/value head) the scores of all its
 // queries (T new tokens x G query heads), 8 keys at a time, their softmaxes with a vectorised exponential, then per
 // query the values accumulated in registers (the second and later queries find the values in cache; a softmax
-// fused into each query's value pass measured 5-10% slower at 8-16 queries). Built with small_product.cc
+// fused into each query's value pass measured 5-10% slower at 8-16 queries). With AVX-512 the two passes take
+// several queries per load of keys or values (`scores_512`, `values_512`). Built with small_product.cc
 // (jaxspec/kernels/__init__.py).
 //
 //   q: f32[B, T, K, G, h] (scaled), cache_k, cache_v: f32[B, K, S, h], lengths: s32[B], new_k, new_v: f32[B, T, K, h],
@@ -52,10 +53,6 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-struct Shapes {
-  int64_t b, t, k, g, h, s;
-};
-
 // The dot products of one query with 8 keys, as one vector: acc[j] holds key j's partial sums in 8 lanes; three rounds
 // of pairwise horizontal adds and one add of the two halves leave key j's sum in lane j.
 inline __m256 eight_sums(const __m256 acc[8]) {
@@ -63,6 +60,60 @@ inline __m256 eight_sums(const __m256 acc[8]) {
   const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+struct Shapes {
+  int64_t b, t, k, g, h, s;
+};
+
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
+
+// With AVX-512 (and a head size that is a multiple of 16) both passes take several queries per load of keys or
+// values, where the AVX2 loops below load them again for every query: Q queries' scores over 8 keys (8 Q
+// accumulators; each 16 lanes folded to 8, then `eight_sums`), and Q queries' outputs over the slots, 64 lanes a
+// time (4 Q accumulators). queries: Q query rows [h]; block: 8 keys [8, h]; out: Q score rows at the block.
+template <int Q>
+__attribute__((target("avx512f"))) void scores_512(const float* const* queries, const float* block, int64_t h,
+                                                   float* const* out) {
+  __m512 acc[Q][8];
+  for (int q = 0; q < Q; ++q)
+    for (int j = 0; j < 8; ++j) acc[q][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < h; i += 16) {
+    __m512 qv[Q];
+    for (int q = 0; q < Q; ++q) qv[q] = _mm512_loadu_ps(queries[q] + i);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 kv = _mm512_loadu_ps(block + j * h + i);
+      for (int q = 0; q < Q; ++q) acc[q][j] = _mm512_fmadd_ps(qv[q], kv, acc[q][j]);
+    }
+  }
+  for (int q = 0; q < Q; ++q) {
+    __m256 folded[8];
+    for (int j = 0; j < 8; ++j)
+      folded[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[q][j]),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[q][j]), 1)));
+    _mm256_storeu_ps(out[q], eight_sums(folded));
+  }
+}
+
+// Q queries' outputs, lanes [i0, i0 + 64): out[q] = scale[q] * sum over columns c of probs[q][c] * value(c).
+template <int Q, typename ValueRow>
+__attribute__((target("avx512f"))) void values_512(const float* const* probs, int64_t width, const ValueRow& value_row,
+                                                   int64_t i0, const float* scale, float* const* out) {
+  __m512 acc[Q][4];
+  for (int q = 0; q < Q; ++q)
+    for (int j = 0; j < 4; ++j) acc[q][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < width; ++c) {
+    const float* v = value_row(c) + i0;
+    __m512 vv[4];
+    for (int j = 0; j < 4; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+    for (int q = 0; q < Q; ++q) {
+      const __m512 p = _mm512_set1_ps(probs[q][c]);
+      for (int j = 0; j < 4; ++j) acc[q][j] = _mm512_fmadd_ps(p, vv[j], acc[q][j]);
+    }
+  }
+  for (int q = 0; q < Q; ++q)
+    for (int j = 0; j < 4; ++j)
+      _mm512_storeu_ps(out[q] + i0 + 16 * j, _mm512_mul_ps(acc[q][j], _mm512_set1_ps(scale[q])));
 }
 
 // One (row, key/value head): its T x G queries over the row's first `length` slots and the new tokens they may see.
@@ -90,7 +141,23 @@ void attend_head(const Shapes& d, const float* q, const float* cache_k, const fl
   };
   // scores over the cache: 8 keys at a time for each query (the keys stay in L1 across the queries)
   const int64_t blocked = vectorised ? length - length % 8 : 0;
-  for (int64_t s0 = 0; s0 < blocked; s0 += 8) {
+  const bool wide = kHasAvx512 && h % 16 == 0;  // the AVX-512 passes
+  constexpr int kScoreQueries = 3;  // 24 accumulators
+  for (int64_t s0 = 0; wide && s0 < blocked; s0 += 8) {
+    for (int64_t r0 = 0; r0 < queries; r0 += kScoreQueries) {
+      const int64_t n = std::min<int64_t>(kScoreQueries, queries - r0);
+      const float* qs[kScoreQueries];
+      float* outs[kScoreQueries];
+      for (int64_t q = 0; q < n; ++q) {
+        qs[q] = query(r0 + q);
+        outs[q] = scores.data() + (r0 + q) * width + s0;
+      }
+      if (n == 3) scores_512<3>(qs, keys + s0 * h, h, outs);
+      else if (n == 2) scores_512<2>(qs, keys + s0 * h, h, outs);
+      else scores_512<1>(qs, keys + s0 * h, h, outs);
+    }
+  }
+  for (int64_t s0 = 0; !wide && s0 < blocked; s0 += 8) {
     const float* block = keys + s0 * h;
     for (int64_t r = 0; r < queries; ++r) {
       const float* qr = query(r);
@@ -138,12 +205,35 @@ void attend_head(const Shapes& d, const float* q, const float* cache_k, const fl
     }
     inverse[r] = 1.0f / sum;
   }
-  // out = probabilities x values: for each query, 64 output lanes at a time held in registers over all the slots
+  // out = probabilities x values: 64 output lanes at a time held in registers over all the slots, for several
+  // queries at once with AVX-512 (the lanes past the last 64 below), else for each query
+  constexpr int kValueQueries = 6;  // 24 accumulators
+  const int64_t wide_lanes = wide ? h - h % 64 : 0;
+  for (int64_t r0 = 0; r0 < queries && wide_lanes > 0; r0 += kValueQueries) {
+    const int64_t n = std::min<int64_t>(kValueQueries, queries - r0);
+    const float* probs[kValueQueries];
+    float* outs[kValueQueries];
+    for (int64_t q = 0; q < n; ++q) {
+      probs[q] = scores.data() + (r0 + q) * width;
+      outs[q] = out + (r0 + q) * h;
+    }
+    const float* scale = inverse.data() + r0;
+    for (int64_t i0 = 0; i0 < wide_lanes; i0 += 64) {
+      switch (n) {
+        case 6: values_512<6>(probs, width, value_row, i0, scale, outs); break;
+        case 5: values_512<5>(probs, width, value_row, i0, scale, outs); break;
+        case 4: values_512<4>(probs, width, value_row, i0, scale, outs); break;
+        case 3: values_512<3>(probs, width, value_row, i0, scale, outs); break;
+        case 2: values_512<2>(probs, width, value_row, i0, scale, outs); break;
+        default: values_512<1>(probs, width, value_row, i0, scale, outs); break;
+      }
+    }
+  }
   for (int64_t r = 0; r < queries; ++r) {
     const float* row = scores.data() + r * width;
     float* o = out + r * h;
-    int64_t i0 = 0;
-    if (vectorised) {
+    int64_t i0 = wide_lanes;
+    if (vectorised && !wide) {
       const __m256 scale = _mm256_set1_ps(inverse[r]);
       for (; i0 + 64 <= h; i0 += 64) {
         __m256 acc[8];
