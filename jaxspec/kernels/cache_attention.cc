@@ -31,6 +31,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxspec::horizontal_sum;
+using jaxspec::kHasAvx512;
 
 // exp(x) for 8 lanes, x <= 0 (scores minus their maximum): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a
 // degree-6 polynomial (relative error about 2e-7); lanes below -87 give 0.
@@ -65,8 +66,6 @@ inline __m256 eight_sums(const __m256 acc[8]) {
 struct Shapes {
   int64_t b, t, k, g, h, s;
 };
-
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
 // With AVX-512 (and a head size that is a multiple of 16) both passes take several queries per load of keys or
 // values, where the AVX2 loops below load them again for every query: Q queries' scores over 8 keys (8 Q

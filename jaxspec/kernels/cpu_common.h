@@ -1,8 +1,10 @@
-// What jaxspec's CPU kernels share: a horizontal sum of 8 lanes, and running a call's work on XLA's intra-op pool.
+// What jaxspec's CPU kernels share: whether the CPU has AVX-512, a bfloat16 widened to float32, a horizontal sum of 8
+// lanes, and running a call's work on XLA's intra-op pool.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -11,6 +13,17 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxspec {
+
+// The kernels are built for AVX2 and run their AVX-512 loops (`__attribute__((target("avx512f")))`) where this holds.
+inline const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
+
+// A bfloat16 (its bits) as the float32 it stands for: the high half of a float32, so exact.
+inline float bfloat16_to_float(uint16_t value) {
+  const uint32_t bits = uint32_t(value) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
 
 inline float horizontal_sum(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

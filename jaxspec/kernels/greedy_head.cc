@@ -19,7 +19,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -34,6 +33,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxspec::horizontal_sum;
+using jaxspec::kHasAvx512;
 
 constexpr int kMaxPositions = 16;
 constexpr int kCandidates = 8;  // scored in float32 per position (SCREEN_CANDIDATES in jaxspec/model.py)
@@ -97,12 +97,7 @@ void screen_row(const uint16_t* w, const float* hs, int64_t d, float* out) {
   }
   for (int n = 0; n < G; ++n) {
     float sum = horizontal_sum(_mm256_add_ps(even_acc[n], odd_acc[n]));
-    for (int64_t i = 16 * blocks; i < d; ++i) {
-      const uint32_t bits = uint32_t(w[i]) << 16;
-      float wi;
-      std::memcpy(&wi, &bits, sizeof wi);
-      sum = std::fma(wi, hs[n * d + i], sum);
-    }
+    for (int64_t i = 16 * blocks; i < d; ++i) sum = std::fma(jaxspec::bfloat16_to_float(w[i]), hs[n * d + i], sum);
     out[n] = sum;
   }
 }
@@ -142,12 +137,8 @@ __attribute__((target("avx512f"))) void screen_tile_512(const uint16_t* w, const
   for (int r = 0; r < R; ++r) {
     for (int g = 0; g < G; ++g) {
       float sum = _mm512_reduce_add_ps(acc[r][g]);
-      for (int64_t i = 32 * blocks; i < d; ++i) {
-        const uint32_t bits = uint32_t(w[r * d + i]) << 16;
-        float wi;
-        std::memcpy(&wi, &bits, sizeof wi);
-        sum = std::fma(wi, hs[g * d + i], sum);
-      }
+      for (int64_t i = 32 * blocks; i < d; ++i)
+        sum = std::fma(jaxspec::bfloat16_to_float(w[r * d + i]), hs[g * d + i], sum);
       out[r * kMaxPositions + g] = sum;
     }
   }
@@ -159,7 +150,6 @@ constexpr RowScreen kTileScreens[kTilePositions + 1] = {
 constexpr RowScreen kRowTileScreens[kTilePositions + 1] = {
     nullptr, screen_tile_512<1, 1>, screen_tile_512<1, 2>, screen_tile_512<1, 3>, screen_tile_512<1, 4>,
     screen_tile_512<1, 5>};
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
 // h in the screen's order: per `block` elements (16 for `screen_row`, 32 for `screen_tile_512`) the even elements,
 // then the odd; the elements past the last whole block in natural order. hd: [N, d] -> hs: [N, d].

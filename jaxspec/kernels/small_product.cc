@@ -13,11 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include <immintrin.h>
 
@@ -29,6 +27,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxspec::horizontal_sum;
+using jaxspec::kHasAvx512;
 
 constexpr int kMaxColumns = 16;
 constexpr int64_t kChunkRows = 64;  // rows of w a task takes at a time
@@ -37,12 +36,7 @@ constexpr int64_t kChunkRows = 64;  // rows of w a task takes at a time
 // of a float32, so widening is exact, and the loops below take 8 or 16 weights in their natural order either way. A
 // bfloat16 matrix thus gives, bit for bit, the products of its float32 copy while reading half the bytes.
 inline float weight_at(const float* w, int64_t i) { return w[i]; }
-inline float weight_at(const uint16_t* w, int64_t i) {
-  const uint32_t bits = uint32_t(w[i]) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof value);
-  return value;
-}
+inline float weight_at(const uint16_t* w, int64_t i) { return jaxspec::bfloat16_to_float(w[i]); }
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const uint16_t* w) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -162,7 +156,6 @@ constexpr RowKernel<W> kRowKernels512[kGroup512 + 1] = {
     row_times_columns_512<W, 10>, row_times_columns_512<W, 11>, row_times_columns_512<W, 12>,
     row_times_columns_512<W, 13>, row_times_columns_512<W, 14>, row_times_columns_512<W, 15>,
     row_times_columns_512<W, 16>};
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
 // y[o, :] for o in [o0, o1): each row read from memory once, its columns in passes of up to 8 (the second pass
 // reads the row from L1); with AVX-512 in one pass of up to 16 below kTileMinColumns columns, and in tiles of
@@ -219,8 +212,8 @@ struct Work {
 
 // y = w @ x with w [out, in] (float32 or bfloat16 as uint16_t), x [in, N], y [out, N]; `name` for the messages.
 template <typename W>
-ffi::Error product(ffi::ThreadPool& pool, const W* w, const std::vector<int64_t>& w_dims, const float* xd,
-                   const std::vector<int64_t>& x_dims, float* y, const char* name) {
+ffi::Error product(ffi::ThreadPool& pool, const W* w, ffi::Span<const int64_t> w_dims, const float* xd,
+                   ffi::Span<const int64_t> x_dims, float* y, const char* name) {
   if (w_dims.size() != 2 || x_dims.size() != 2 || w_dims[1] != x_dims[0]) {
     return ffi::Error::InvalidArgument(std::string(name) + ": expects w [out, in] and x [in, N]");
   }
@@ -247,18 +240,16 @@ ffi::Error product(ffi::ThreadPool& pool, const W* w, const std::vector<int64_t>
   return ffi::Error::Success();
 }
 
-std::vector<int64_t> dims_of(ffi::Span<const int64_t> dims) { return std::vector<int64_t>(dims.begin(), dims.end()); }
-
 ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
                         ffi::ResultBuffer<ffi::F32> y) {
-  return product(pool, w.typed_data(), dims_of(w.dimensions()), x.typed_data(), dims_of(x.dimensions()),
-                 y->typed_data(), "jaxspec_small_product");
+  return product(pool, w.typed_data(), w.dimensions(), x.typed_data(), x.dimensions(), y->typed_data(),
+                 "jaxspec_small_product");
 }
 
 ffi::Error Bf16Product(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> x,
                        ffi::ResultBuffer<ffi::F32> y) {
-  return product(pool, reinterpret_cast<const uint16_t*>(w.untyped_data()), dims_of(w.dimensions()), x.typed_data(),
-                 dims_of(x.dimensions()), y->typed_data(), "jaxspec_bf16_product");
+  return product(pool, reinterpret_cast<const uint16_t*>(w.untyped_data()), w.dimensions(), x.typed_data(),
+                 x.dimensions(), y->typed_data(), "jaxspec_bf16_product");
 }
 
 }  // namespace
