@@ -36,7 +36,7 @@ from jaxspec.kernels import (
     cache_attention_enabled,
     feature_major_product,
     greedy_head,
-    small_product_columns,
+    kernels_on,
 )
 from jaxspec.sampling import SamplingConfig, draws_by_argmax
 
@@ -657,7 +657,7 @@ def head_screen(weights: Weights) -> HeadScreen | None:
     other dtypes, off CPU, or where the few-column kernel is off ($JAXSPEC_SMALL_PRODUCT=off, or it cannot build)."""
     rows = output_matrix(weights)  # [V, d]
     if (rows.dtype != jnp.float32 or rows.shape[0] <= SCREEN_CANDIDATES or jax.default_backend() != "cpu"
-            or not small_product_columns()):
+            or not kernels_on()):
         return None
     matrix = rows.astype(jnp.bfloat16)  # [V, d]
     rounding = norm = 0.0  # max over rows of ||matrix_v - E_v||^2 and of ||E_v||^2, ||matrix_v||^2

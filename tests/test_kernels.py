@@ -100,26 +100,53 @@ def test_feature_major_products_use_the_kernel_for_the_columns_chosen(monkeypatc
         kernels.small_product_columns.cache_clear()
 
 
-def test_the_columns_are_measured_once_and_cached(monkeypatch, tmp_path):
-    """Unset, the column counts are those at which the kernel was faster, measured once (the timing here replaced
-    by a made-up one) and read back from the cache file after."""
+@pytest.mark.parametrize("one_column", [(24.0, 21.5), (21.5, 24.0)])
+def test_the_columns_are_measured_once_and_cached(monkeypatch, tmp_path, one_column):
+    """Unset, the column counts are those at which the kernel was faster, measured once (the timings here replaced
+    by made-up ones: 2-16 columns on chains of products, one column on decoding steps) and read back from the cache
+    file after."""
     _kernel_or_skip()
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(kernels.ENV, "auto")
     calls = []
-    chain = {1: (3.0, 3.1), 2: (3.0, 2.0), 3: (3.0, 2.5), 4: (3.0, 3.5), 5: (3.0, 1.0)}  # n -> (xla, kernel) seconds
+    chain = {2: (3.0, 2.0), 3: (3.0, 2.5), 4: (3.0, 3.5), 5: (3.0, 1.0)}  # n -> (xla, kernel) seconds
 
     def fake_time_chains(matrices, columns, repeats=7):
         calls.append(columns)
         return chain.get(columns, (1.0, 2.0))
 
+    def fake_time_decoding_steps():
+        calls.append("step")
+        return one_column
+
     monkeypatch.setattr(kernels, "_time_chains", fake_time_chains)
+    monkeypatch.setattr(kernels, "_time_decoding_steps", fake_time_decoding_steps)
+    expected = {2, 3, 5} | ({1} if one_column[1] < one_column[0] else set())  # slower at 4 and from 6 on
     try:
         kernels.small_product_columns.cache_clear()
-        assert kernels.small_product_columns() == {2, 3, 5}  # slower at 1, 4 and from 6 on
-        assert calls == list(range(1, kernels.MAX_COLUMNS + 1))
+        assert kernels.small_product_columns() == expected
+        assert calls == ["step", *range(2, kernels.MAX_COLUMNS + 1)]
         kernels.small_product_columns.cache_clear()
-        assert kernels.small_product_columns() == {2, 3, 5} and len(calls) == kernels.MAX_COLUMNS  # the file
+        assert kernels.small_product_columns() == expected and len(calls) == kernels.MAX_COLUMNS  # the file
+    finally:
+        kernels.small_product_columns.cache_clear()
+
+
+def test_the_one_column_probe_traces_each_variant_with_its_own_columns(monkeypatch):
+    """`_time_decoding_steps` traces its two variants with the column counts it sets for its thread, whatever the
+    process serves."""
+    _kernel_or_skip()
+    monkeypatch.setenv(kernels.ENV, "off")
+    kernels.small_product_columns.cache_clear()
+    try:
+        assert _custom_calls(1) == 0
+        for columns, served in [(frozenset({1}), 1), (frozenset(range(2, 17)), 0)]:
+            kernels._tracing.columns = columns
+            try:
+                assert _custom_calls(1) == served and _custom_calls(2) == 1 - served
+            finally:
+                kernels._tracing.columns = None
+        assert _custom_calls(1) == 0
     finally:
         kernels.small_product_columns.cache_clear()
 

@@ -13,8 +13,9 @@ exactly in registers: an EAGLE head stored in bfloat16 drafts from half the byte
 
 It is built on first use with the system's C++ compiler (g++, AVX2 and FMA; about 10 seconds) into
 `jaxspec.budget.cache_folder()`, and called through XLA's FFI. Whether it pays depends on the machine, so the
-column counts at which it runs are measured once per machine against XLA's own product (about 15 seconds) and
-cached beside it. $JAXSPEC_SMALL_PRODUCT overrides that: "off" (XLA's products only) or a column count (at most 16).
+column counts at which it runs are measured once per machine against XLA's own product (about 30 seconds) and
+cached beside it: 2-16 columns on a chain of products, one column on whole decoding steps (`measure_columns`).
+$JAXSPEC_SMALL_PRODUCT overrides that: "off" (XLA's products only) or a column count (at most 16).
 Where the kernel cannot be built (no compiler, another CPU) XLA's product runs, and a warning says why once.
 """
 
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -49,6 +51,7 @@ ATTENTION_TARGET_NAME = "jaxspec_cache_attention"
 GREEDY_HEAD_TARGET_NAME = "jaxspec_greedy_head"
 SAMPLED_HEAD_TARGET_NAME = "jaxspec_sampled_head"
 BF16_PRODUCT_TARGET_NAME = "jaxspec_bf16_product"
+MEASUREMENT = "steps1"  # how `measure_columns` decides (part of its cache file's name: a new way measures again)
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -173,11 +176,74 @@ def _time_chains(matrices, columns: int, repeats: int = 7) -> tuple[float, float
     return best[0], best[1]
 
 
+# The model whose decoding step `_time_decoding_steps` times: SmolLM2-135M's shape (the default target), random weights
+STEP_PROBE_SHAPE = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                        num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+_tracing = threading.local()  # .columns: the column counts `feature_major_product` serves while a probe traces
+
+
+def _served_columns() -> frozenset[int]:
+    """The column counts the kernel serves in the forward being traced: `small_product_columns()`, except while
+    `_time_decoding_steps` traces one of its two variants in its own thread."""
+    columns = getattr(_tracing, "columns", None)
+    return small_product_columns() if columns is None else columns
+
+
+def _time_decoding_steps(cfg=None, steps: int = 17, repeats: int = 3) -> tuple[float, float]:
+    """Seconds of a batch-1 decoding step (every product one column) with XLA's product at one column and with the
+    kernel's (2-16 columns by the kernel in both), timed in turn in this process, prefill subtracted, the best of
+    `repeats`; cfg: the probe model's shape (default `STEP_PROBE_SHAPE`, random weights, the per-layer layout).
+
+    One column is decided on whole steps, not on a chain of products: on the 2-core Xeon the chain put the two
+    products level (XLA ahead by 1-4% on 85-708 MB of matrices) while a decoding step ran 23.1 ms with the kernel
+    against 25.6 ms with XLA's product (SmolLM2-135M; 42.6-45.7 against 37.8-39.5 tok/s), and the near tie of the
+    chain once gave XLA the one column on this machine."""
+    from jaxspec.config import ModelConfig
+    from jaxspec.generate import generate_tokens
+    from jaxspec.model import feature_major_layers, init_weights
+
+    cfg = cfg or ModelConfig(**STEP_PROBE_SHAPE)
+    weights = feature_major_layers(init_weights(cfg, jax.random.key(0)))
+    tokens = jnp.zeros((1, 16), jnp.int32)  # [1, 16]
+    lengths = jnp.full((1,), 8, jnp.int32)  # [1]: an 8-token prompt
+    variants = {"xla": frozenset(range(2, MAX_COLUMNS + 1)), "kernel": frozenset(range(1, MAX_COLUMNS + 1))}
+
+    def decoder(columns):  # a function of its own per variant, so that each traces (and caches) its own forward
+        def decode(weights, tokens, lengths, new_tokens):
+            return generate_tokens.__wrapped__(weights, cfg, tokens, lengths, jax.random.key(0),
+                                               max_new_tokens=new_tokens, cache_size=64)
+        jitted = jax.jit(decode, static_argnums=3)
+
+        def run(new_tokens: int) -> float:
+            _tracing.columns = columns
+            try:
+                start = time.perf_counter()
+                jax.block_until_ready(jitted(weights, tokens, lengths, new_tokens))
+                return time.perf_counter() - start
+            finally:
+                _tracing.columns = None
+        return run
+
+    runs = {name: decoder(columns) for name, columns in variants.items()}
+    for run in runs.values():  # compile both lengths first
+        run(steps)
+        run(1)
+    long_runs = {name: float("inf") for name in runs}
+    short_runs = dict(long_runs)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            long_runs[name] = min(long_runs[name], run(steps))
+            short_runs[name] = min(short_runs[name], run(1))
+    step = {name: (long_runs[name] - short_runs[name]) / (steps - 1) for name in runs}
+    return step["xla"], step["kernel"]
+
+
 def measure_columns(d: int = 576, f: int = 1536, layers: int = 12) -> dict:
-    """Times XLA's product and the kernel on `layers` pairs of [f, d] / [d, f] matrices (85 MB at the defaults:
-    more than a CPU's caches, as a model's weights are) for 1..16 columns. Returns {"columns": the counts at which
-    the kernel was faster, "seconds": {N: {"xla": s, "kernel": s}}}. (XLA's library product is uneven: on the
-    2-core EPYC it was as fast as the kernel at 8 and 16 columns and 2.5x slower at 9-15.)"""
+    """Times XLA's product and the kernel for 1..16 columns: 2-16 on `layers` pairs of [f, d] / [d, f] matrices (85
+    MB at the defaults: more than most CPUs' caches, as a model's weights are), one column on whole decoding steps
+    (`_time_decoding_steps`). Returns {"columns": the counts at which the kernel was faster, "seconds": {N: {"xla":
+    s, "kernel": s}}} (at one column the seconds of a step). (XLA's library product is uneven: on the 2-core EPYC it
+    was as fast as the kernel at 8 and 16 columns and 2.5x slower at 9-15.)"""
     rng = np.random.default_rng(0)
     matrices = []
     for _ in range(layers):
@@ -185,11 +251,17 @@ def measure_columns(d: int = 576, f: int = 1536, layers: int = 12) -> dict:
         matrices.append(jnp.asarray(rng.standard_normal((d, f), np.float32) * 0.02))  # [d, f]
     seconds, columns = {}, []
     for n in range(1, MAX_COLUMNS + 1):
-        xla, kernel = _time_chains(matrices, n)
+        xla, kernel = _time_decoding_steps() if n == 1 else _time_chains(matrices, n)
         seconds[str(n)] = {"xla": xla, "kernel": kernel}
         if kernel < xla:
             columns.append(n)
     return {"columns": columns, "seconds": seconds}
+
+
+def kernels_on() -> bool:
+    """Whether jaxspec's CPU kernels can run in this process: they build and load here, and $JAXSPEC_SMALL_PRODUCT is
+    not "off" (which turns them all off). Measures nothing (`small_product_columns` says where the product runs)."""
+    return os.environ.get(ENV, "auto").strip().lower() not in ("off", "0", "no", "false") and load_kernel() is None
 
 
 @functools.cache
@@ -215,13 +287,13 @@ def small_product_columns() -> frozenset[int]:
         return frozenset()
     if setting != "auto":
         return frozenset(range(1, columns + 1))
-    path = os.path.join(cache_folder(), f"small-product-{source_digest()}.json")
+    path = os.path.join(cache_folder(), f"small-product-{MEASUREMENT}-{source_digest()}.json")
     try:
         with open(path) as f:
             return frozenset(int(n) for n in json.load(f)["columns"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    print("jaxspec: timing the few-token kernel against XLA's product (once per machine, about 15 s) ...",
+    print("jaxspec: timing the few-token kernel against XLA's product (once per machine, about 30 s) ...",
           file=sys.stderr)
     # the first call usually comes while a forward is being traced, where JAX would stage the timing's own arrays
     # and programs into that trace instead of running them: a thread has a trace state of its own
@@ -241,11 +313,11 @@ def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
     `bf16_product` where the copy would run the kernel, else from w widened to float32 by XLA."""
     n = x.shape[1]
     if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
-        if 1 <= n <= MAX_COLUMNS and jax.default_backend() == "cpu" and n in small_product_columns():
+        if 1 <= n <= MAX_COLUMNS and jax.default_backend() == "cpu" and n in _served_columns():
             return bf16_product(w, x)
         return w.astype(jnp.float32) @ x
     if (1 <= n <= MAX_COLUMNS and w.dtype == jnp.float32 and x.dtype == jnp.float32
-            and jax.default_backend() == "cpu" and n in small_product_columns()):
+            and jax.default_backend() == "cpu" and n in _served_columns()):
         return kernel_product(w, x)
     return w @ x
 
