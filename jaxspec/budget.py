@@ -563,15 +563,18 @@ class TreeShape:
         return self.verified_nodes == 0
 
 
-# Chains of 1 to 6 tokens (small rounds win where verifying many tokens is dear: CPUs) and full depth-2 trees of 2,
-# 3 and 4 children per node (wide rounds win where extra tokens are nearly free: accelerators at small batches);
+# Chains of 1 to 6 tokens (small rounds win where verifying many tokens is dear: CPUs), the head's top 2, 3 or 4 first
+# tokens side by side (sampled rounds: one of them is kept with their probability mass together, where a chain's
+# next level adds only the product of two top-1 masses) and full depth-2 trees of 2, 3 and 4 children per node (wide
+# rounds win where extra tokens are nearly free: accelerators at small batches);
 # then short chains and small trees with a prompt-lookup chain merged in (it drafts the text's own repeats: code,
 # lists, worked arithmetic), which costs no head forward, only the verified tokens. Lookup chains up to 12: copied
 # code runs long (greedy HumanEval answers: a chain of 8 keeps 1.96 tokens per position on average, 5 keeps 1.43).
 # And no draft at all (`PLAIN`, first, so that a tree must beat it): where every round costs more than the tokens it
 # adds (a CPU at batch 8, or a head that is rarely right), plain decoding is the fastest choice.
 PLAIN = TreeShape(0, 0, 0)
-HEAD_SHAPES = tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(2, k, k + k * k) for k in (2, 3, 4))
+HEAD_SHAPES = (tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(1, k, k) for k in (2, 3, 4))
+               + tuple(TreeShape(2, k, k + k * k) for k in (2, 3, 4)))
 TREE_SHAPES = (PLAIN,) + HEAD_SHAPES + tuple(
     TreeShape(d, 1, d, lookup) for d in range(1, 5) for lookup in (3, 5, 8, 12)) + tuple(
     TreeShape(2, k, k + k * k, 4) for k in (2, 3))

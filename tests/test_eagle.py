@@ -982,6 +982,33 @@ def test_sampled_rounds_are_sized_on_the_cost_of_sampled_verification(tiny_llama
     assert not method.auto_tree(1)[0].plain  # T=0 stays on the greedy model
 
 
+def test_sampled_rounds_may_draft_the_heads_first_tokens_side_by_side(tiny_llama3):
+    """At T > 0 one of a node's deterministic children is kept with their target probability mass together, so where
+    the head's second choice holds much of that mass, its top 2 first tokens side by side (a depth-1 tree) yield more
+    a round than a chain, whose next level adds only the product of two top-1 masses: --budget auto picks that tree,
+    and the drafter drafts it. At T=0 (every top choice right) a chain."""
+    from jaxspec.budget import EAGLE_TOKEN_COUNTS, CostModel, TreeShape
+    from jaxspec.methods import Method
+
+    _, model, _ = tiny_llama3
+    cfg, params = _head(model)
+    counts = list(EAGLE_TOKEN_COUNTS)
+    cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                     seconds=[[1e-2 + 1e-4 * (t - 1) for t in counts]])
+    mass = np.zeros((100, 6, 4))  # [P, D, K]: the target's probability of the head's top-k candidates together
+    mass[:, 0] = [0.3, 0.9, 0.905, 0.91]  # first tokens: the second choice holds most of the mass
+    mass[:, 1:] = [0.05, 0.1, 0.12, 0.13]  # deeper levels rarely kept
+    method = Method(name="eagle3", drafter=cfg.make_drafter(), params=params, target=model, cost_model=cost,
+                    sampled_cost_model=cost, tree_ranks=np.zeros((100, 6), int), draft_mass=mass)
+    shape, rows = method.auto_tree(1, greedy=False)
+    tau = {r["shape"]: r["tau"] for r in rows}
+    assert tau[TreeShape(1, 2, 2)] == pytest.approx(1.9) and tau[TreeShape(2, 1, 2)] == pytest.approx(1.315)
+    assert shape == TreeShape(1, 2, 2)
+    drafter = method.drafter_for_batch(1, greedy=False)
+    assert (drafter.depth, drafter.top_k, drafter.num_nodes, drafter.lookup_depth) == (1, 2, 2, 0)
+    assert method.auto_tree(1)[0].top_k == 1  # greedy: the top choice is always right, a chain
+
+
 def test_merge_chain_builds_a_trie_without_duplicate_siblings():
     """A chain merged into a tree hangs under the tree's nodes while its tokens match them (those chain nodes are
     marked invalid), then goes on as new nodes; invalid chain nodes stay invalid."""
