@@ -3,6 +3,7 @@ of prompts it never saw (an overfit head shows a large gap).
 
     python benchmarks/drafter_ranks.py --data data/regen-smollm2-135m-b64 --seen 0:12 --unseen-from-prompt 2000
     python benchmarks/drafter_ranks.py --prompt-sets mt-bench,gsm8k,humaneval --limit 8 --depth 4
+    python benchmarks/drafter_ranks.py --prompt-sets mt-bench,gsm8k,humaneval --limit 10 --depth 1 --sampled  # T=1 drafts
 
 With --prompt-sets the target first answers the evaluation prompts (greedy, into a temporary folder that is deleted
 after: measurement only, never training data), and the head is measured on each set's answers.
@@ -42,30 +43,44 @@ def chain_acceptance(method, target, dataset, indices, depth: int) -> tuple[np.n
     return hits.mean(0), float((1 + hits.sum(1)).mean()), len(ranks)
 
 
-def sampled_first_draft(method, target, dataset, indices) -> tuple[float, float, int]:
-    """At temperature 1, the probability that the target keeps a round's first draft, two ways, along the samples:
-    (the head's top choice drafted as a point mass: E p(argmax q), what jaxspec's rounds draft today; a draft sampled
-    from the head's q and kept with probability min(1, p/q): E sum_x min(p(x), q(x)), the standard rule), and the
-    number of positions. p: the target's softmax, q: the head's (over its draft vocabulary)."""
+def sampled_first_draft(method, target, dataset, indices, noise_draws: int = 64, seed: int = 0) -> dict:
+    """At temperature 1, the probability that the target keeps a round's first draft, along the samples, four ways:
+    - "point": the head's top choice drafted as a point mass, E p(argmax q) (a chain of 1 at T=1);
+    - "top2": its top 2 side by side (a depth-1 tree of 2), E p(top 2 of q);
+    - "coupled": drafted from the head's q with the Gumbel noise the target's own draw uses, argmax(log q + g)
+      against the target's argmax(log p + g), the match rate over `noise_draws` draws a position (lossless either
+      way: the committed token is the target's draw);
+    - "sampled": a draft sampled from q and kept with probability min(1, p/q), E sum_x min(p(x), q(x)) (the standard
+      rule; it needs the target's full distribution, which the greedy screen avoids computing).
+    Also "positions". p: the target's softmax, q: the head's (over its draft vocabulary)."""
     from jaxspec.drafters.eagle import _chain_logits
 
+    rng = np.random.default_rng(seed)
     d2t = np.asarray(draft_to_target(method.params)).astype(np.int64)  # [Vd]
-    point, sampled, positions = 0.0, 0.0, 0
+    sums = dict(point=0.0, top2=0.0, coupled=0.0, sampled=0.0)
+    positions = 0
     for i in indices:
         row = dataset.sample(i)
         start = int(dataset.prompt_lengths[i])
         head_logits, target_logits = _chain_logits(
             method.params, target.weights, target.config, method.drafter.head_config(target.config),
             tuple(method.drafter.target_layers), row[None].astype(np.int32), 1, target_logits=True)
-        q = np.asarray(jax.nn.softmax(head_logits[0, 0].astype(jnp.float32), axis=-1), np.float64)  # [S, Vd]
-        p = np.asarray(jax.nn.softmax(target_logits[0].astype(jnp.float32), axis=-1), np.float64)  # [S, V]
+        log_q = np.asarray(jax.nn.log_softmax(head_logits[0, 0].astype(jnp.float32), axis=-1), np.float64)  # [S, Vd]
+        log_p = np.asarray(jax.nn.log_softmax(target_logits[0].astype(jnp.float32), axis=-1), np.float64)  # [S, V]
         cols = np.arange(max(start - 1, 0), len(row) - 2)  # column t: the head predicts token t + 2
-        p_next = p[cols + 1][:, d2t]  # [P, Vd] the target's distribution of token t + 2, on the draft vocabulary
-        q_cols = q[cols]  # [P, Vd]
-        point += float(np.take_along_axis(p_next, q_cols.argmax(-1)[:, None], axis=-1).sum())
-        sampled += float(np.minimum(p_next, q_cols).sum())
+        p_next = np.exp(log_p[cols + 1])  # [P, V] the target's distribution of token t + 2
+        q_cols = np.exp(log_q[cols])  # [P, Vd]
+        top2 = np.argsort(-log_q[cols], axis=-1)[:, :2]  # [P, 2] draft ids
+        sums["point"] += float(np.take_along_axis(p_next, d2t[top2[:, :1]], axis=-1).sum())
+        sums["top2"] += float(np.take_along_axis(p_next, d2t[top2], axis=-1).sum())
+        sums["sampled"] += float(np.minimum(p_next[:, d2t], q_cols).sum())
+        for col in cols:
+            g = rng.gumbel(size=(noise_draws, p_next.shape[1]))  # [G, V]
+            drawn = np.argmax(log_p[col + 1][None] + g, axis=-1)  # [G] the target's draws
+            drafted = d2t[np.argmax(log_q[col][None] + g[:, d2t], axis=-1)]  # [G] the head's, with the same noise
+            sums["coupled"] += float(np.mean(drawn == drafted))
         positions += len(cols)
-    return point / positions, sampled / positions, positions
+    return {**{k: v / positions for k, v in sums.items()}, "positions": positions}
 
 
 def vocabulary_coverage(method, dataset, indices) -> float:
@@ -93,8 +108,8 @@ def main() -> None:
     p.add_argument("--count", type=int, default=12, help="unseen samples to measure")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--sampled", action="store_true",
-                   help="also the first draft's acceptance at T=1: the head's top choice as a point mass against a "
-                        "draft sampled from its distribution")
+                   help="also the first draft's acceptance at T=1: the head's top choice as a point mass, its top 2, "
+                        "a draft with the target's own Gumbel noise, and one sampled from its distribution")
     args = p.parse_args()
 
     target = load_model(args.model)
@@ -137,9 +152,10 @@ def measure_prompt_sets(method, target, args) -> None:
                   f"{np.round(hits, 3).tolist()}, chain-of-{args.depth} tau {tau:.2f}, "
                   f"{vocabulary_coverage(method, dataset, indices):.1%} of the response tokens in the draft vocabulary")
             if args.sampled:
-                point, sampled, positions = sampled_first_draft(method, target, dataset, indices)
-                print(f"  T=1, first draft kept: top choice as a point mass {point:.3f}, sampled from the head's q "
-                      f"{sampled:.3f} ({positions} positions)")
+                kept = sampled_first_draft(method, target, dataset, indices)
+                print(f"  T=1, first draft kept: top choice as a point mass {kept['point']:.3f}, top 2 side by side "
+                      f"{kept['top2']:.3f}, drafted with the target's Gumbel noise {kept['coupled']:.3f}, sampled "
+                      f"from the head's q {kept['sampled']:.3f} ({kept['positions']} positions)")
 
 
 if __name__ == "__main__":
