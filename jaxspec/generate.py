@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +240,25 @@ class Batch:
     cache_size: int
 
 
+def step_seconds(runs: dict[str, Callable[[int], float]], steps: int = 9, repeats: int = 2) -> dict[str, float]:
+    """Seconds per decoding step of each variant, timed in turn in this process (the host's speed drifts between
+    processes): `runs[name](n)` decodes n new tokens and returns its wall seconds. Each variant first runs `steps`
+    tokens and one token (compiling both), then `repeats` rounds time them all; the best time of each length is kept
+    and their difference per step taken, the prefill subtracted. (The best of differences would reward a run of one
+    step slowed by another process: a step "measured" at 7 ms against 350 once chose the slower layout for a whole
+    regeneration on a busy machine.) A busy host can still give a difference of 0 or less: callers check."""
+    for run in runs.values():
+        run(steps)
+        run(1)
+    long_runs = {name: float("inf") for name in runs}
+    short_runs = dict(long_runs)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            long_runs[name] = min(long_runs[name], run(steps))
+            short_runs[name] = min(short_runs[name], run(1))
+    return {name: (long_runs[name] - short_runs[name]) / (steps - 1) for name in runs}
+
+
 def fastest_layout(weights: Weights, cfg: ModelConfig, batch_size: int, cache_size: int,
                    hidden_layers: tuple[int, ...] = (), steps: int = 9, repeats: int = 2) -> tuple[str, dict]:
     """The CPU weight layout ("stacked" or "unstacked") that decodes a `batch_size`-row step faster on this machine.
@@ -261,25 +280,16 @@ def fastest_layout(weights: Weights, cfg: ModelConfig, batch_size: int, cache_si
     tokens = jnp.zeros((batch_size, 16), jnp.int32)  # [B, 16]
     lengths = jnp.full((batch_size,), 8, jnp.int32)  # [B]: an 8-token context per row
 
-    def run(layer_weights, n: int) -> float:
-        start = time.perf_counter()
-        jax.block_until_ready(generate_tokens(layer_weights, cfg, tokens, lengths, jax.random.key(0),
-                                              max_new_tokens=n, cache_size=cache_size, hidden_layers=hidden_layers))
-        return time.perf_counter() - start
+    def decoder(layer_weights):
+        def run(n: int) -> float:
+            start = time.perf_counter()
+            jax.block_until_ready(generate_tokens(layer_weights, cfg, tokens, lengths, jax.random.key(0),
+                                                  max_new_tokens=n, cache_size=cache_size,
+                                                  hidden_layers=hidden_layers))
+            return time.perf_counter() - start
+        return run
 
-    for layer_weights in layouts.values():  # compile both lengths first
-        run(layer_weights, steps)
-        run(layer_weights, 1)
-    # the best time of each length, then their difference: the best of differences would reward a run of one step
-    # slowed by another process (a step "measured" at 7 ms against 350 once chose the slower layout for a whole
-    # regeneration on a busy machine)
-    long_runs = {name: float("inf") for name in layouts}
-    short_runs = dict(long_runs)
-    for _ in range(repeats):
-        for name, layer_weights in layouts.items():
-            long_runs[name] = min(long_runs[name], run(layer_weights, steps))
-            short_runs[name] = min(short_runs[name], run(layer_weights, 1))
-    best = {name: (long_runs[name] - short_runs[name]) / (steps - 1) for name in layouts}
+    best = step_seconds({name: decoder(w) for name, w in layouts.items()}, steps, repeats)
     if min(best.values()) <= 0:
         raise UserError(f"Timing the CPU layouts gave a decoding step of {min(best.values()) * 1e3:.1f} ms (prefill "
                         "subtracted): the machine was too busy to measure. Rerun when it is quieter, or choose the "

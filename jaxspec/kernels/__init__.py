@@ -191,15 +191,15 @@ def _served_columns() -> frozenset[int]:
 
 def _time_decoding_steps(cfg=None, steps: int = 17, repeats: int = 3) -> tuple[float, float]:
     """Seconds of a batch-1 decoding step (every product one column) with XLA's product at one column and with the
-    kernel's (2-16 columns by the kernel in both), timed in turn in this process, prefill subtracted, the best of
-    `repeats`; cfg: the probe model's shape (default `STEP_PROBE_SHAPE`, random weights, the per-layer layout).
+    kernel's (2-16 columns by the kernel in both), timed in turn in this process (`jaxspec.generate.step_seconds`);
+    cfg: the probe model's shape (default `STEP_PROBE_SHAPE`, random weights, the per-layer layout).
 
     One column is decided on whole steps, not on a chain of products: on the 2-core Xeon the chain put the two
     products level (XLA ahead by 1-4% on 85-708 MB of matrices) while a decoding step ran 23.1 ms with the kernel
     against 25.6 ms with XLA's product (SmolLM2-135M; 42.6-45.7 against 37.8-39.5 tok/s), and the near tie of the
     chain once gave XLA the one column on this machine."""
     from jaxspec.config import ModelConfig
-    from jaxspec.generate import generate_tokens
+    from jaxspec.generate import generate_tokens, step_seconds
     from jaxspec.model import feature_major_layers, init_weights
 
     cfg = cfg or ModelConfig(**STEP_PROBE_SHAPE)
@@ -224,17 +224,7 @@ def _time_decoding_steps(cfg=None, steps: int = 17, repeats: int = 3) -> tuple[f
                 _tracing.columns = None
         return run
 
-    runs = {name: decoder(columns) for name, columns in variants.items()}
-    for run in runs.values():  # compile both lengths first
-        run(steps)
-        run(1)
-    long_runs = {name: float("inf") for name in runs}
-    short_runs = dict(long_runs)
-    for _ in range(repeats):
-        for name, run in runs.items():
-            long_runs[name] = min(long_runs[name], run(steps))
-            short_runs[name] = min(short_runs[name], run(1))
-    step = {name: (long_runs[name] - short_runs[name]) / (steps - 1) for name in runs}
+    step = step_seconds({name: decoder(columns) for name, columns in variants.items()}, steps, repeats)
     return step["xla"], step["kernel"]
 
 
