@@ -3,7 +3,7 @@ of prompts it never saw (an overfit head shows a large gap).
 
     python benchmarks/drafter_ranks.py --data data/regen-smollm2-135m-b64 --seen 0:12 --unseen-from-prompt 2000
     python benchmarks/drafter_ranks.py --prompt-sets mt-bench,gsm8k,humaneval --limit 8 --depth 4
-    python benchmarks/drafter_ranks.py --prompt-sets mt-bench,gsm8k,humaneval --limit 10 --depth 1 --sampled  # T=1 drafts
+    python benchmarks/drafter_ranks.py --prompt-sets mt-bench,gsm8k,humaneval --limit 10 --depth 1 --sampled
 
 With --prompt-sets the target first answers the evaluation prompts (greedy, into a temporary folder that is deleted
 after: measurement only, never training data), and the head is measured on each set's answers.
