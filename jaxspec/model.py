@@ -651,14 +651,18 @@ def feature_major_layers(weights: Weights) -> Weights:
                                head_screen=head_screen(weights))
 
 
-def output_matrix(weights: Weights) -> jax.Array:
-    """The LM head as [V, d] rows, one per token: the embedding when tied, else lm_head transposed (the copy the CPU
-    layout's `HeadScreen` keeps, where there is one)."""
+def _stored_rows(weights: Weights) -> jax.Array | None:
+    """The LM head's [V, d] rows where they are stored as such (the embedding when tied, the rows the CPU layout's
+    `HeadScreen` keeps of an untied head); None where only lm_head [d, V] is."""
     if weights.lm_head is None:
         return weights.embed
-    if weights.head_screen is not None and weights.head_screen.rows is not None:
-        return weights.head_screen.rows
-    return weights.lm_head.T
+    return None if weights.head_screen is None else weights.head_screen.rows
+
+
+def output_matrix(weights: Weights) -> jax.Array:
+    """The LM head as [V, d] rows, one per token: the stored rows (`_stored_rows`), else lm_head transposed."""
+    rows = _stored_rows(weights)
+    return weights.lm_head.T if rows is None else rows
 
 
 def head_screen(weights: Weights) -> HeadScreen | None:
@@ -779,9 +783,8 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
         return jnp.einsum("btd,dv->btv", x, columns, preferred_element_type=jnp.float32)
     # one product for any number of rows: the output matrix (113 MB for SmolLM2 in float32) does not stay in the
     # cache between 1-row products, so `_rowwise` read it once a row (2-4 rows: 1.3-1.8x slower than one product)
-    rows = output_matrix(weights)  # [V, d]
-    if isinstance(weights.layers, tuple) and rows.dtype == jnp.float32 and (
-            weights.lm_head is None or weights.head_screen is not None and weights.head_screen.rows is not None):
+    rows = _stored_rows(weights)  # [V, d] or None
+    if isinstance(weights.layers, tuple) and rows is not None and rows.dtype == jnp.float32:
         b, t, d = x.shape  # per-layer (CPU): the rows [V, d] are the [out, in] matrix the few-token kernel takes
         logits = feature_major_product(rows, x.reshape(b * t, d).T)  # [V, N]
         return logits.T.reshape(b, t, -1)

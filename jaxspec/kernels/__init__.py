@@ -189,10 +189,10 @@ def _served_columns() -> frozenset[int]:
     return small_product_columns() if columns is None else columns
 
 
-def _time_decoding_steps(cfg=None, steps: int = 17, repeats: int = 3) -> tuple[float, float]:
+def _time_decoding_steps(steps: int = 17, repeats: int = 3) -> tuple[float, float]:
     """Seconds of a batch-1 decoding step (every product one column) with XLA's product at one column and with the
-    kernel's (2-16 columns by the kernel in both), timed in turn in this process (`jaxspec.generate.step_seconds`);
-    cfg: the probe model's shape (default `STEP_PROBE_SHAPE`, random weights, the per-layer layout).
+    kernel's (2-16 columns by the kernel in both), timed in turn in this process (`jaxspec.generate.step_seconds`),
+    on a model of `STEP_PROBE_SHAPE` (random weights, the per-layer layout).
 
     One column is decided on whole steps, not on a chain of products: on the 2-core Xeon the chain put the two
     products level (XLA ahead by 1-4% on 85-708 MB of matrices) while a decoding step ran 23.1 ms with the kernel
@@ -202,7 +202,7 @@ def _time_decoding_steps(cfg=None, steps: int = 17, repeats: int = 3) -> tuple[f
     from jaxspec.generate import generate_tokens, step_seconds
     from jaxspec.model import feature_major_layers, init_weights
 
-    cfg = cfg or ModelConfig(**STEP_PROBE_SHAPE)
+    cfg = ModelConfig(**STEP_PROBE_SHAPE)
     weights = feature_major_layers(init_weights(cfg, jax.random.key(0)))
     tokens = jnp.zeros((1, 16), jnp.int32)  # [1, 16]
     lengths = jnp.full((1,), 8, jnp.int32)  # [1]: an 8-token prompt
@@ -248,10 +248,16 @@ def measure_columns(d: int = 576, f: int = 1536, layers: int = 12) -> dict:
     return {"columns": columns, "seconds": seconds}
 
 
+def _setting() -> str:
+    """$JAXSPEC_SMALL_PRODUCT, normalised: "off" for any of its spellings, else as given ("auto" when unset)."""
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    return "off" if setting in ("off", "0", "no", "false") else setting
+
+
 def kernels_on() -> bool:
     """Whether jaxspec's CPU kernels can run in this process: they build and load here, and $JAXSPEC_SMALL_PRODUCT is
     not "off" (which turns them all off). Measures nothing (`small_product_columns` says where the product runs)."""
-    return os.environ.get(ENV, "auto").strip().lower() not in ("off", "0", "no", "false") and load_kernel() is None
+    return _setting() != "off" and load_kernel() is None
 
 
 @functools.cache
@@ -262,8 +268,8 @@ def small_product_columns() -> frozenset[int]:
     from jaxspec.budget import cache_folder
     from jaxspec.errors import UserError
 
-    setting = os.environ.get(ENV, "auto").strip().lower()
-    if setting in ("off", "0", "no", "false"):
+    setting = _setting()
+    if setting == "off":
         return frozenset()
     if setting != "auto":
         columns = int(setting) if setting.isdigit() else -1
