@@ -569,14 +569,16 @@ class TreeShape:
 # rounds win where extra tokens are nearly free: accelerators at small batches);
 # then short chains and small trees with a prompt-lookup chain merged in (it drafts the text's own repeats: code,
 # lists, worked arithmetic), which costs no head forward, only the verified tokens. Lookup chains up to 12: copied
-# code runs long (greedy HumanEval answers: a chain of 8 keeps 1.96 tokens per position on average, 5 keeps 1.43).
+# code runs long (greedy HumanEval answers: a chain of 8 keeps 1.96 tokens per position on average, 5 keeps 1.43);
+# and of 1 or 2, where each verified token is dear (sampled rounds on a CPU: their first token alone, or the head's
+# second choice in its slot where the chain finds nothing, keeps more than a level of the head's chain).
 # And no draft at all (`PLAIN`, first, so that a tree must beat it): where every round costs more than the tokens it
 # adds (a CPU at batch 8, or a head that is rarely right), plain decoding is the fastest choice.
 PLAIN = TreeShape(0, 0, 0)
 HEAD_SHAPES = (tuple(TreeShape(d, 1, d) for d in range(1, 7)) + tuple(TreeShape(1, k, k) for k in (2, 3, 4))
                + tuple(TreeShape(2, k, k + k * k) for k in (2, 3, 4)))
 TREE_SHAPES = (PLAIN,) + HEAD_SHAPES + tuple(
-    TreeShape(d, 1, d, lookup) for d in range(1, 5) for lookup in (3, 5, 8, 12)) + tuple(
+    TreeShape(d, 1, d, lookup) for d in range(1, 5) for lookup in (1, 2, 3, 5, 8, 12)) + tuple(
     TreeShape(2, k, k + k * k, 4) for k in (2, 3))
 
 
@@ -635,7 +637,22 @@ def expected_tokens_per_round(ranks: np.ndarray, shape: TreeShape, lookup_runs: 
     return 1.0 + float(accepted.mean())
 
 
-def expected_tokens_sampled(mass: np.ndarray, shape: TreeShape) -> float:
+@dataclasses.dataclass(frozen=True)
+class SampledText:
+    """What a round drafts along the answers the target sampled for the calibration (the text `draft_mass` is
+    measured along), at the same positions: the rank of the text's own next token among the head's candidates at
+    each depth (ranks int[P, D], teacher-forced as `jaxspec.drafters.eagle.draft_ranks`), and how many leading tokens
+    of the prompt-lookup chain equal the text's and how many of them are valid (lookup_runs, lookup_valid int[P],
+    `jaxspec.drafters.prompt_lookup.lookup_statistics`). A sampled round keeps a deterministic draft exactly when the
+    target draws its token, and the sampled text is such a draw, so these give an unbiased estimate of what the
+    merged tree keeps at T > 0 (`expected_tokens_sampled`)."""
+
+    ranks: np.ndarray  # int[P, D]
+    lookup_runs: np.ndarray  # int[P]
+    lookup_valid: np.ndarray  # int[P]
+
+
+def expected_tokens_sampled(mass: np.ndarray, shape: TreeShape, sampled_text: SampledText | None = None) -> float:
     """Expected tokens a sampled round (T > 0) yields, from the target's measured probabilities of the head's
     candidates (`jaxspec.drafters.eagle.draft_statistics`).
 
@@ -644,32 +661,47 @@ def expected_tokens_sampled(mass: np.ndarray, shape: TreeShape) -> float:
     kept with exactly their probability mass under the target; a chain keeps depth j with the product of its
     levels' top-1 masses, a full depth-2 tree with m1 + m1 * m2 of its top_k masses. The masses of deeper levels
     are measured after the text's own tokens (teacher forcing), an approximation when the kept child differs from
-    them. Shapes with a prompt-lookup chain, and shapes that are neither chains nor full trees, are refused.
+    them. Shapes that are neither chains nor full trees are refused.
+
+    A shape with a prompt-lookup chain needs `sampled_text` (the same P positions): its tau is the head's, from the
+    masses, plus what merging the chain adds along the sampled text, where a position keeps the longer of the
+    head's run and the chain's, and the chain's empty slots hold the head's next-ranked first tokens
+    (`expected_tokens_per_round` on those ranks and runs, with the chain and without).
     """
     mass = np.asarray(mass, np.float64)
     if mass.ndim != 3 or mass.shape[1] < shape.depth or mass.shape[2] < shape.top_k or len(mass) == 0:
         raise UserError(f"Measured draft masses of shape {mass.shape} do not cover depth {shape.depth} and "
                         f"top_k {shape.top_k}.")
-    if shape.lookup:
-        raise UserError(f"{shape} merges a prompt-lookup chain, whose acceptance at T > 0 is not modelled.")
     _check_modelled(shape)
     if shape.plain:
         return 1.0
     levels = mass[:, : shape.depth, shape.top_k - 1]  # [P, depth]: a level kept given the one above was
-    return 1.0 + float(np.cumprod(levels, axis=1).sum(axis=1).mean())
+    head_tau = 1.0 + float(np.cumprod(levels, axis=1).sum(axis=1).mean())
+    if not shape.lookup:
+        return head_tau
+    if sampled_text is None:
+        raise UserError(f"{shape} merges a prompt-lookup chain: at T > 0 its acceptance needs the head's ranks and "
+                        "the chain's runs measured along sampled text (SampledText).")
+    if len(sampled_text.ranks) != len(mass):
+        raise UserError(f"The sampled text's ranks ({len(sampled_text.ranks)} positions) must be measured at the "
+                        f"masses' {len(mass)} positions.")
+    head = TreeShape(shape.depth, shape.top_k, shape.num_nodes)
+    merged = expected_tokens_per_round(sampled_text.ranks, shape, sampled_text.lookup_runs, sampled_text.lookup_valid)
+    return head_tau + merged - expected_tokens_per_round(sampled_text.ranks, head)
 
 
 def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: Callable[[int, TreeShape], float],
                 shapes: Sequence[TreeShape] = TREE_SHAPES, lookup_runs: np.ndarray | None = None,
-                draft_mass: np.ndarray | None = None,
-                lookup_valid: np.ndarray | None = None) -> tuple[TreeShape, list[dict]]:
+                draft_mass: np.ndarray | None = None, lookup_valid: np.ndarray | None = None,
+                sampled_text: SampledText | None = None) -> tuple[TreeShape, list[dict]]:
     """The EAGLE tree shape with the highest expected throughput at this batch size, and the table behind it.
 
     throughput = batch * tau(shape) / (cost.verify_seconds(batch, nodes + 1) + draft_seconds(batch, shape)), with
     tau at T=0 from the drafter's measured ranks and, for shapes with a prompt-lookup chain, the measured
     `lookup_runs` and `lookup_valid` (`expected_tokens_per_round`; without runs those shapes are left out); for a
     sampled run (T > 0) pass `draft_mass`: tau then comes from the target's probabilities of the head's candidates
-    (`expected_tokens_sampled`) and the lookup shapes are left out. Each row also gives the expected speedup over
+    and, for the lookup shapes, from `sampled_text` (`expected_tokens_sampled`; without it those shapes are left
+    out). Each row also gives the expected speedup over
     plain decoding on the same cost model (batch / verify_seconds(batch, 1) tokens/s). `PLAIN` among the shapes (it
     is the first of TREE_SHAPES) is that plain decoding itself: chosen when no tree is expected to beat it.
 
@@ -681,16 +713,16 @@ def choose_tree(cost: CostModel, batch: int, ranks: np.ndarray, draft_seconds: C
         raise UserError(f"The batch size must be at least 1 to choose a tree; got {batch}.")
     if not shapes:
         raise UserError("No candidate tree shapes were given.")
-    if lookup_runs is None or draft_mass is not None:
+    if (lookup_runs if draft_mass is None else sampled_text) is None:
         shapes = [s for s in shapes if not s.lookup]
         if not shapes:
             raise UserError("Every candidate shape merges a prompt-lookup chain, and its acceptance is not measured "
-                            "(no lookup runs, or a sampled run).")
+                            "(no lookup runs, or at T > 0 no sampled text).")
     plain = batch / cost.verify_seconds(batch, 1)
     rows = []
     for shape in shapes:
         if draft_mass is not None:
-            tau = expected_tokens_sampled(draft_mass, shape)
+            tau = expected_tokens_sampled(draft_mass, shape, sampled_text)
         else:
             tau = expected_tokens_per_round(ranks, shape, lookup_runs, lookup_valid)
         verify = cost.verify_seconds(batch, shape.verified_nodes + 1)

@@ -83,8 +83,11 @@ class Method:
     lookup_runs: Any = None
     lookup_valid: Any = None
     # and at T > 0: the target's probability of the head's top-k candidates at those positions and depths, float[P, D,
-    # K] (jaxspec.drafters.eagle.draft_statistics)
+    # K] (jaxspec.drafters.eagle.draft_statistics), along answers the target sampled
     draft_mass: Any = None
+    # and along those sampled answers, the head's ranks and the prompt-lookup chain's runs (jaxspec.budget.SampledText),
+    # for the shapes that merge a chain at T > 0
+    sampled_text: Any = None
     # dflash/ddtree/jetspec with --budget auto: tokens per round the head gives at each budget, {budget: tau},
     # measured by decoding the calibration prompts (`measured_budget_taus`)
     budget_taus: dict[int, float] | None = None
@@ -102,7 +105,7 @@ class Method:
         """The drafter used for `batch` rows: with --budget auto, the budget `jaxspec.budget.choose_budget` picks, or
         for the EAGLE trees the shape `jaxspec.budget.choose_tree` picks; None where that is no draft at all (plain
         decoding is expected to be the fastest: `generate` then decodes plainly). greedy: whether the run decodes at
-        T=0 (the EAGLE trees' prompt-lookup shapes are chosen only then)."""
+        T=0 (the acceptance model of `auto_tree`)."""
         if self.cost_model is None or self.drafter is None:
             return self.drafter
         if self.tree_ranks is not None:
@@ -140,9 +143,9 @@ class Method:
         The acceptance model at T=0 comes from the head's ranks along greedy text (and the lookup chain's runs); with
         sampling (greedy False) from the target's probabilities of the head's top-k candidates (`draft_mass`: a
         sampled round keeps one of a node's children with their probability mass), measured at temperature 1, and
-        the shapes with a prompt-lookup chain are left out (their acceptance at T > 0 is not modelled; at T=1 the
-        chain cost more than it gave on MT-Bench and GSM8K, the README's results of 2026-12-05), and the
-        verification (plain decoding's step too) is costed on the sampled cost model, whose rows also draw their
+        for the shapes with a prompt-lookup chain what merging it adds along the same sampled answers
+        (`sampled_text`: a sampled round keeps a deterministic draft exactly when the target draws its token); the
+        verification (plain decoding's step too) is then costed on the sampled cost model, whose rows also draw their
         tokens; the head's drafting, the same at any temperature, stays on the greedy one."""
         from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, eagle_draft_seconds
 
@@ -162,7 +165,8 @@ class Method:
 
         return choose_tree(cost, batch, self.tree_ranks, draft_seconds,
                            lookup_runs=self.lookup_runs if greedy else None,
-                           draft_mass=None if greedy else self.draft_mass, lookup_valid=self.lookup_valid)
+                           draft_mass=None if greedy else self.draft_mass, lookup_valid=self.lookup_valid,
+                           sampled_text=None if greedy else self.sampled_text)
 
     def auto_table(self, batch: int, greedy: bool = True) -> tuple[str, str, list[dict]]:
         """(what was chosen, the table as text, its rows) of --budget auto at this batch size (greedy: see
@@ -352,7 +356,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
     if options.lookup_tokens:  # by hand: the head's tree as given (or the drafter's) plus the lookup chain
         drafter = dataclasses.replace(drafter, num_nodes=drafter.num_nodes + options.lookup_tokens,
                                       lookup_depth=options.lookup_tokens)
-    cost_model = tree_ranks = lookup_runs = lookup_valid = draft_mass = None
+    cost_model = tree_ranks = lookup_runs = lookup_valid = draft_mass = sampled_text = None
     # --budget auto is the default of every tree method on one device: the EAGLE trees unless given by hand, the
     # block heads' budgets unless given
     auto = options.budget == "auto" or (options.mesh is None and options.budget is None and (
@@ -368,7 +372,8 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=EAGLE_TOKEN_COUNTS)
         folder = options.drafter if options.drafter != "untrained" else None
         folder = shipped_drafter(name, target) if folder is None and options.drafter is None else folder
-        tree_ranks, lookup_runs, lookup_valid, draft_mass = measured_draft_ranks(target, drafter, params, folder)
+        tree_ranks, lookup_runs, lookup_valid, draft_mass, sampled_text = measured_draft_ranks(target, drafter, params,
+                                                                                               folder)
     budget_taus = None
     if auto and spec.auto == "budget":
         from jaxspec.budget import load_or_measure_cost_model
@@ -379,7 +384,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
         budget_taus = measured_budget_taus(target, drafter, params, auto_budgets(drafter, spec), folder)
     return Method(name=name, drafter=drafter, params=params, target=target, cost_model=cost_model,
                   tree_ranks=tree_ranks, lookup_runs=lookup_runs, lookup_valid=lookup_valid, draft_mass=draft_mass,
-                  budget_taus=budget_taus)
+                  sampled_text=sampled_text, budget_taus=budget_taus)
 
 
 def auto_budgets(drafter, spec: MethodSpec) -> list[int]:
@@ -602,14 +607,15 @@ def _calibration_digest() -> str:
 
 
 def measured_draft_ranks(target: LoadedModel, drafter, params,
-                         folder: str | None = None) -> tuple[Any, Any, Any, Any]:
-    """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P], lookup valid int[P], mass float[P, CALIBRATION_DEPTH,
-    CALIBRATION_TOP_K]): an
+                         folder: str | None = None) -> tuple[Any, Any, Any, Any, Any]:
+    """(ranks int[P, CALIBRATION_DEPTH], lookup runs int[P], lookup valid int[P], mass float[P', CALIBRATION_DEPTH,
+    CALIBRATION_TOP_K], sampled text `jaxspec.budget.SampledText`): an
     EAGLE head's ranks of the target's tokens along the target's own greedy answers to CALIBRATION_PROMPTS (what
-    rounds keep at T=0), the target's probabilities of its top-k candidates along answers it sampled at
-    CALIBRATION_TEMPERATURE (what rounds keep at T > 0; `jaxspec.drafters.eagle.draft_statistics`; P differs), and
-    how many tokens of a prompt-lookup chain the target keeps at the same positions at T=0
-    and how many of them are valid (`jaxspec.drafters.prompt_lookup.lookup_statistics`).
+    rounds keep at T=0), how many tokens of a prompt-lookup chain the target keeps at the same positions at T=0
+    and how many of them are valid (`jaxspec.drafters.prompt_lookup.lookup_statistics`); the target's probabilities
+    of the head's top-k candidates along answers it sampled at CALIBRATION_TEMPERATURE (what rounds keep at T > 0;
+    `jaxspec.drafters.eagle.draft_statistics`), and at those P' positions the head's ranks and the lookup chain's
+    runs and valid counts (what a chain merged in adds at T > 0).
 
     Read from the drafter's folder when it holds them for this head and target (`save_draft_ranks`; the shipped
     drafter does), else from $JAXSPEC_CACHE_DIR per head and target, else measured (a greedy generation of the
@@ -625,20 +631,36 @@ def measured_draft_ranks(target: LoadedModel, drafter, params,
                 same = (str(f["target"]) == target.fingerprint() and str(f["calibration"]) == _calibration_digest()
                         and str(f["head"]) == head)
                 if same and f["ranks"].ndim == 2 and f["ranks"].shape[1] == CALIBRATION_DEPTH:
-                    return f["ranks"], f["lookup_runs"], f["lookup_valid"], f["draft_mass"]
+                    return _stored_profile(f)
         except (OSError, ValueError, KeyError):
             pass  # unreadable, or of another head or target (a retrained head in the same folder): measured below
     path = os.path.join(cache_folder(), f"draft-ranks-{head}-{_calibration_digest()}.npz")
     if os.path.isfile(path):
         try:
             with np.load(path) as f:
-                return f["ranks"], f["lookup_runs"], f["lookup_valid"], f["draft_mass"]
+                return _stored_profile(f)
         except (OSError, ValueError, KeyError):
             pass
-    ranks, runs, valid, mass = _measure_draft_ranks(target, drafter, params)
+    profile = _measure_draft_ranks(target, drafter, params)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.savez(path, ranks=ranks, lookup_runs=runs, lookup_valid=valid, draft_mass=mass)
-    return ranks, runs, valid, mass
+    np.savez(path, **_profile_arrays(*profile))
+    return profile
+
+
+def _profile_arrays(ranks, runs, valid, mass, sampled) -> dict[str, np.ndarray]:
+    """The arrays of a draft-ranks file (`measured_draft_ranks`'s five results) by name."""
+    return dict(ranks=ranks, lookup_runs=runs, lookup_valid=valid, draft_mass=mass, sampled_ranks=sampled.ranks,
+                sampled_lookup_runs=sampled.lookup_runs, sampled_lookup_valid=sampled.lookup_valid)
+
+
+def _stored_profile(f) -> tuple[Any, Any, Any, Any, Any]:
+    """`measured_draft_ranks`'s five results from an open draft-ranks file (KeyError: a file of an older calibration,
+    without some of them)."""
+    from jaxspec.budget import SampledText
+
+    sampled = SampledText(ranks=f["sampled_ranks"], lookup_runs=f["sampled_lookup_runs"],
+                          lookup_valid=f["sampled_lookup_valid"])
+    return f["ranks"], f["lookup_runs"], f["lookup_valid"], f["draft_mass"], sampled
 
 
 def _head_digest(target: LoadedModel, params) -> str:
@@ -655,8 +677,7 @@ def save_draft_ranks(folder: str, target: LoadedModel, drafter, params) -> str:
     """Measures an EAGLE head's ranks on the calibration prompts and stores them in its drafter folder, so that
     --budget auto needs no calibration run on first use. Returns the file's path."""
     path = os.path.join(folder, DRAFT_RANKS_FILE)
-    ranks, runs, valid, mass = _measure_draft_ranks(target, drafter, params)
-    np.savez(path, ranks=ranks, lookup_runs=runs, lookup_valid=valid, draft_mass=mass, target=target.fingerprint(),
+    np.savez(path, **_profile_arrays(*_measure_draft_ranks(target, drafter, params)), target=target.fingerprint(),
              calibration=_calibration_digest(), head=_head_digest(target, params))
     return path
 
@@ -751,6 +772,7 @@ def _measure_budget_taus(target: LoadedModel, drafter, params, budgets) -> dict[
 
 
 def _measure_draft_ranks(target: LoadedModel, drafter, params):
+    from jaxspec.budget import SampledText
     from jaxspec.drafters.eagle import draft_statistics
     from jaxspec.drafters.prompt_lookup import lookup_statistics
 
@@ -770,8 +792,13 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
         return draft_statistics(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
                                 starts, CALIBRATION_DEPTH, top_k, head_cfg=drafter.head_config(target.config))
 
+    def lookup(tokens, lengths):  # (runs, valid) [P] each
+        return lookup_statistics(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM)
+
     tokens, lengths = text(GREEDY)
     ranks, _ = statistics(tokens, lengths, 0)  # [P, D]
-    runs, valid = lookup_statistics(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM)  # [P] each
-    _, mass = statistics(*text(SamplingConfig(temperature=CALIBRATION_TEMPERATURE)), CALIBRATION_TOP_K)  # [P', D, K]
-    return ranks, runs, valid, mass
+    runs, valid = lookup(tokens, lengths)  # [P] each
+    sampled_tokens, sampled_lengths = text(SamplingConfig(temperature=CALIBRATION_TEMPERATURE))
+    sampled_ranks, mass = statistics(sampled_tokens, sampled_lengths, CALIBRATION_TOP_K)  # [P', D], [P', D, K]
+    sampled = SampledText(sampled_ranks, *lookup(sampled_tokens, sampled_lengths))
+    return ranks, runs, valid, mass, sampled

@@ -314,9 +314,9 @@ def test_eagle_draft_seconds_costs_each_head_matrix_at_the_targets_seconds_per_w
 def test_sampled_rounds_follow_the_target_mass_of_the_candidates():
     """At T > 0 (`draft_mass` given) a shape's tau is 1 + the mean over positions of the sum over depths of the
     product of its levels' top_k masses (a chain: top-1 masses; a full depth-2 tree: m1 + m1 m2), the lookup shapes
-    are left out, and the chooser takes the argmax of throughput under that model: on a device where extra tokens
-    are free, a wide tree (the target spreads its probability over the head's top candidates); where each costs
-    as much as a step, the cheapest useful round."""
+    are left out without sampled text, and the chooser takes the argmax of throughput under that model: on a device
+    where extra tokens are free, a wide tree (the target spreads its probability over the head's top candidates);
+    where each costs as much as a step, the cheapest useful round."""
     from jaxspec.budget import TREE_SHAPES, TreeShape, choose_tree, expected_tokens_sampled
 
     rng = np.random.default_rng(1)
@@ -328,7 +328,7 @@ def test_sampled_rounds_follow_the_target_mass_of_the_candidates():
     assert expected_tokens_sampled(mass, TreeShape(2, 3, 12)) == pytest.approx(
         1 + np.mean(mass[:, 0, 2] + mass[:, 0, 2] * mass[:, 1, 2]))
     assert expected_tokens_sampled(mass, TreeShape(1, 2, 2)) == pytest.approx(1 + np.mean(mass[:, 0, 1]))
-    with pytest.raises(UserError, match="prompt-lookup"):
+    with pytest.raises(UserError, match="sampled text"):
         expected_tokens_sampled(mass, TreeShape(2, 1, 2, 3))
     with pytest.raises(UserError, match="neither a chain nor a full"):
         expected_tokens_sampled(mass, TreeShape(2, 2, 4))
@@ -337,7 +337,7 @@ def test_sampled_rounds_follow_the_target_mass_of_the_candidates():
     def draft(rows, shape):
         return 1e-4 * shape.depth
 
-    runs = np.full(300, 5)  # [P]: lookup runs, which a sampled round's model must leave out
+    runs = np.full(300, 5)  # [P]: greedy lookup runs, which a sampled round's model must not use
     for per_token, expect_wide in ((0.0, True), (10.0, False)):  # ms per extra token on top of 10 ms
         cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
                          seconds=[[1e-2 + 1e-3 * per_token * (t - 1) for t in counts]])
@@ -349,6 +349,45 @@ def test_sampled_rounds_follow_the_target_mass_of_the_candidates():
         assert [r["tokens_per_second"] for r in rows] == pytest.approx(by_hand)
         assert shape == head_only[int(np.argmax(by_hand))]
         assert (shape.top_k > 1) == expect_wide and (expect_wide or shape.num_nodes <= 2)
+
+
+def test_sampled_rounds_merge_a_lookup_chain_by_what_it_adds_along_sampled_text():
+    """At T > 0 a shape with a prompt-lookup chain has the head's tau from the masses plus what merging the chain
+    adds along the sampled text (`SampledText`: each position keeps the longer of the head's run and the chain's;
+    the chain's empty slots hold the head's next-ranked first tokens), and the chooser weighs those shapes too."""
+    from jaxspec.budget import SampledText, TreeShape, choose_tree, expected_tokens_sampled
+
+    mass = np.zeros((4, 6, 4))  # [P, D, K]
+    mass[:, :, 0] = 0.5  # the head's top-1 at every level: half the target's mass
+    mass[:, :, 1:] = 0.6
+    # along the sampled text: the head's ranks, the chain's runs and its valid tokens at the same 4 positions
+    ranks = np.array([[0, 0, 5, 5, 5, 5], [1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0], [9, 9, 9, 9, 9, 9]])  # [P, D]
+    text = SampledText(ranks=ranks, lookup_runs=np.array([1, 3, 0, 0]), lookup_valid=np.array([3, 3, 0, 1]))
+    chain2 = TreeShape(2, 1, 2)
+    head_tau = 1 + 0.5 + 0.25
+    assert expected_tokens_sampled(mass, chain2, text) == pytest.approx(head_tau)  # no chain: the masses alone
+    # the head's chain of 2 along the text keeps 2, 0, 0, 0 (mean 0.5); merged with a lookup chain of 3: 2 (the
+    # head's run is the longer), 3 (the chain's), 1 (no chain: its 3 slots hold the head's ranks 1-3, rank 2 kept),
+    # 0 (2 empty slots: ranks 1-2, not 9)
+    merged = np.mean([2, 3, 1, 0])
+    assert expected_tokens_sampled(mass, TreeShape(2, 1, 2, 3), text) == pytest.approx(head_tau + merged - 0.5)
+    with pytest.raises(UserError, match="positions"):
+        expected_tokens_sampled(mass[:2], TreeShape(2, 1, 2, 3), text)
+    counts = [1, 2, 3, 4, 5, 7, 13, 21]
+    cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                     seconds=[[1e-2 + 1e-4 * (t - 1) for t in counts]])  # extra tokens nearly free
+
+    def draft(rows, shape):
+        return 1e-4 * shape.depth
+
+    greedy_ranks = np.zeros((4, 6), np.int64)
+    shape, rows = choose_tree(cost, 1, greedy_ranks, draft, lookup_runs=np.zeros(4, int), draft_mass=mass,
+                              sampled_text=text)
+    taus = {r["shape"]: r["tau"] for r in rows}
+    assert any(s.lookup for s in taus) and shape == max(rows, key=lambda r: r["tokens_per_second"])["shape"]
+    assert taus[TreeShape(2, 1, 2, 3)] == pytest.approx(head_tau + merged - 0.5)
+    without = choose_tree(cost, 1, greedy_ranks, draft, lookup_runs=np.zeros(4, int), draft_mass=mass)[1]
+    assert not any(r["shape"].lookup for r in without)  # no sampled text: the lookup shapes are left out
 
 
 def test_compilation_cache_folder_follows_the_settings(tmp_path):

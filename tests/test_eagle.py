@@ -741,9 +741,11 @@ def test_tree_options_for_the_eagle_methods(tiny_llama3):
 def test_calibration_ranks_follow_greedy_answers_and_masses_sampled_ones(tiny_llama3, monkeypatch):
     """The head's ranks and the lookup runs are measured along the target's greedy answers to the calibration
     prompts (what T=0 rounds see); the target's masses of the head's candidates along answers it sampled at
-    CALIBRATION_TEMPERATURE (what sampled rounds see: along greedy text they overrated deeper drafts at T=1)."""
+    CALIBRATION_TEMPERATURE (what sampled rounds see: along greedy text they overrated deeper drafts at T=1), and
+    along those sampled answers the head's ranks and the lookup runs too (what a lookup chain adds at T > 0)."""
     from jaxspec import methods
     from jaxspec.drafters import eagle
+    from jaxspec.drafters.prompt_lookup import lookup_statistics
 
     _, model, _ = tiny_llama3
     cfg, params = _head(model)
@@ -763,19 +765,36 @@ def test_calibration_ranks_follow_greedy_answers_and_masses_sampled_ones(tiny_ll
 
     monkeypatch.setattr(methods, "generate", recording_generate)
     monkeypatch.setattr(eagle, "draft_statistics", recording_statistics)
-    ranks, runs, valid, mass = methods._measure_draft_ranks(model, cfg.make_drafter(), params)
+    ranks, runs, valid, mass, sampled = methods._measure_draft_ranks(model, cfg.make_drafter(), params)
     assert sorted(texts) == [0.0, methods.CALIBRATION_TEMPERATURE] and texts[0.0] != texts[1.0]  # the draws differ
     assert measured == [(texts[0.0], 0), (texts[1.0], methods.CALIBRATION_TOP_K)]
     assert ranks.shape[1] == methods.CALIBRATION_DEPTH and runs.shape == valid.shape == (len(ranks),)
     assert mass.shape[1:] == (methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K) and mass[:, 0, -1].mean() > 0
     assert np.all((mass >= 0) & (mass <= 1 + 1e-6))
+    # at T > 0 the head's ranks and the lookup chain's runs along the sampled answers, at the masses' positions
+    prompts = methods._calibration_prompts(model)
+    rows = [p + a for p, a in zip(prompts, texts[1.0])]
+    lengths = np.array([len(r) for r in rows])  # [R]
+    tokens = np.array([r + [0] * (lengths.max() - len(r)) for r in rows])  # [R, S]
+    starts = np.array([len(p) for p in prompts])  # [R]
+    want_runs, want_valid = lookup_statistics(tokens, lengths, starts, methods.CALIBRATION_LOOKUP,
+                                              methods.CALIBRATION_NGRAM)
+    want_ranks, _ = real_statistics(params, model.weights, model.config, cfg.make_drafter().target_layers, tokens,
+                                    lengths, starts, methods.CALIBRATION_DEPTH, 0, cfg.make_drafter().head_config(
+                                        model.config))
+    assert sampled.ranks.shape == (len(mass), methods.CALIBRATION_DEPTH)
+    np.testing.assert_array_equal(sampled.ranks, want_ranks)
+    np.testing.assert_array_equal(sampled.lookup_runs, want_runs)
+    np.testing.assert_array_equal(sampled.lookup_valid, want_valid)
 
 
 def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeypatch):
     """A drafter folder's draft-ranks.npz (scripts/calibrate_drafter.py) is read instead of measuring when it was
     made for this head and target with these calibration settings; of another target, or of another head (one
-    retrained into the same folder), it is ignored and the ranks measured."""
+    retrained into the same folder), or of an older calibration that lacks some arrays, it is ignored and the
+    ranks measured."""
     from jaxspec import methods
+    from jaxspec.budget import SampledText
 
     _, model, _ = tiny_llama3
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -783,35 +802,48 @@ def test_draft_ranks_stored_in_the_drafter_folder(tiny_llama3, tmp_path, monkeyp
     runs = np.array([0, 2, 5])  # [P]: the prompt-lookup runs at the same positions
     valid = np.array([4, 6, 12])  # [P]: its valid tokens there
     mass = np.full((3, methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K), 0.25)  # [P, D, K]
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured, runs, valid, mass))
+    sampled = SampledText(np.full((3, methods.CALIBRATION_DEPTH), 1), np.array([1, 0, 2]), np.array([3, 0, 12]))
+
+    def profile(shift=0):
+        return (measured + shift, runs + shift, valid - shift, mass / (1 + shift),
+                SampledText(sampled.ranks + shift, sampled.lookup_runs + shift, sampled.lookup_valid - shift))
+
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: profile())
     stored = np.arange(2 * methods.CALIBRATION_DEPTH).reshape(2, -1)  # [P, D]
     stored_runs, stored_valid = np.array([1, 3]), np.array([2, 12])
     stored_mass = np.full((2, methods.CALIBRATION_DEPTH, methods.CALIBRATION_TOP_K), 0.5)
+    stored_sampled = dict(sampled_ranks=np.zeros((2, methods.CALIBRATION_DEPTH), int),
+                          sampled_lookup_runs=np.array([2, 0]), sampled_lookup_valid=np.array([5, 1]))
     path = tmp_path / methods.DRAFT_RANKS_FILE
     params = {"w": np.zeros(3)}
     head = methods._head_digest(model, params)
 
+    def plain(result):  # lists all the way down, to compare
+        *arrays, text = result
+        return (*(np.asarray(x).tolist() for x in arrays),
+                *(np.asarray(x).tolist() for x in (text.ranks, text.lookup_runs, text.lookup_valid)))
+
     def read(p=params):
-        return tuple(x.tolist() for x in methods.measured_draft_ranks(model, None, p, str(tmp_path)))
+        return plain(methods.measured_draft_ranks(model, None, p, str(tmp_path)))
 
     def stored_file(**fields):
         np.savez(path, ranks=stored, calibration=methods._calibration_digest(), head=head, **fields)
 
-    stored_file(lookup_runs=stored_runs, lookup_valid=stored_valid, draft_mass=stored_mass, target=model.fingerprint())
-    assert read() == (stored.tolist(), stored_runs.tolist(), stored_valid.tolist(), stored_mass.tolist())
-    expected = (measured.tolist(), runs.tolist(), valid.tolist(), mass.tolist())
-    stored_file(lookup_runs=stored_runs, lookup_valid=stored_valid, draft_mass=stored_mass, target="another target")
+    every = dict(lookup_runs=stored_runs, lookup_valid=stored_valid, draft_mass=stored_mass, **stored_sampled)
+    stored_file(**every, target=model.fingerprint())
+    assert read() == (stored.tolist(), stored_runs.tolist(), stored_valid.tolist(), stored_mass.tolist(),
+                      *(x.tolist() for x in stored_sampled.values()))
+    expected = plain(profile())
+    stored_file(**every, target="another target")
     assert read() == expected
-    stored_file(lookup_runs=stored_runs, lookup_valid=stored_valid, target=model.fingerprint())
-    assert read() == expected  # a file of before the masses: measured
-    stored_file(lookup_runs=stored_runs, draft_mass=stored_mass, target=model.fingerprint())
-    assert read() == expected  # a file of before the valid counts: measured
+    for older in ("draft_mass", "lookup_valid", "sampled_ranks", "sampled_lookup_runs"):  # a file of before them
+        stored_file(**{k: v for k, v in every.items() if k != older}, target=model.fingerprint())
+        assert read() == expected
     assert methods.save_draft_ranks(str(tmp_path), model, None, params) == str(path)  # writes `measured`
-    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: (measured + 1, runs + 1, valid - 1, mass / 2))
+    monkeypatch.setattr(methods, "_measure_draft_ranks", lambda *a: profile(1))
     assert read() == expected
     retrained = {"w": np.ones(3)}  # another head in the same folder: its own ranks, not the stored ones
-    assert read(retrained) == ((measured + 1).tolist(), (runs + 1).tolist(), (valid - 1).tolist(),
-                               (mass / 2).tolist())
+    assert read(retrained) == plain(profile(1))
 
 
 def test_measured_ranks_predict_each_round_of_a_real_chain(smollm2):
