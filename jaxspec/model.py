@@ -645,10 +645,18 @@ def unstack_layers(weights: Weights) -> Weights:
 
 def feature_major_layers(weights: Weights) -> Weights:
     """The weights unstacked (`unstack_layers`) with every dense layer as a FeatureMajorLayer (the CPU layout), and a
-    float32 output matrix's bfloat16 screen (`head_screen`)."""
-    weights = unstack_layers(weights)
-    return dataclasses.replace(weights, layers=tuple(feature_major_layer(lw) for lw in weights.layers),
-                               head_screen=head_screen(weights))
+    float32 output matrix's bfloat16 screen (`head_screen`).
+
+    A stacked model is taken out of its stack one layer at a time, each layer's copy dropped once it is converted, so
+    that memory holds the stacked weights and the converted ones, not a third, unstacked copy besides (for
+    Qwen2.5-Coder-1.5B, loaded and laid out in one process, the peak resident memory went from 20.4 to 15.5 GB)."""
+    if isinstance(weights.layers, tuple):
+        layers = iter(weights.layers)
+    else:
+        num_layers = weights.layers.attn_norm.shape[0]
+        layers = (jax.tree.map(lambda w, i=i: w[i], weights.layers) for i in range(num_layers))
+    converted = tuple(jax.block_until_ready(feature_major_layer(lw)) for lw in layers)  # one layer's copy at a time
+    return dataclasses.replace(weights, layers=converted, head_screen=head_screen(weights))
 
 
 def _stored_rows(weights: Weights) -> jax.Array | None:
