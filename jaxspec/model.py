@@ -659,6 +659,23 @@ def feature_major_layers(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=converted, head_screen=head_screen(weights))
 
 
+def bfloat16_feature_major_layers(weights: Weights) -> Weights:
+    """`feature_major_layers` with every FeatureMajorLayer's matrices rounded to bfloat16: a draft model read at half
+    the bytes per drafted token. `feature_major_product` widens them exactly in registers (with jaxspec's CPU kernels),
+    so the forward computes in float32 what the rounded matrices give; the norms, biases, embedding and LM head stay
+    float32. For drafters only: rounding moves the model's outputs a little, which may change which drafts the target
+    accepts, never what it emits."""
+    weights = feature_major_layers(weights)
+
+    def rounded(lw):
+        if not isinstance(lw, FeatureMajorLayer):
+            return lw
+        return dataclasses.replace(lw, **{name: getattr(lw, name).astype(jnp.bfloat16)
+                                          for name in ("wqkv", "wo", "w_gate_up", "w_down")})
+
+    return dataclasses.replace(weights, layers=tuple(rounded(lw) for lw in weights.layers))
+
+
 def _stored_rows(weights: Weights) -> jax.Array | None:
     """The LM head's [V, d] rows where they are stored as such (the embedding when tied, the rows the CPU layout's
     `HeadScreen` keeps of an untied head); None where only lm_head [d, V] is."""
@@ -701,7 +718,7 @@ def select_layers(layers: LayerWeights | tuple[LayerWeights, ...], start: int, e
     return jax.tree.map(lambda w: w[start:end], layers)
 
 
-_EXECUTION_WEIGHTS: dict[int, tuple[Any, Any]] = {}  # `converted_once`
+_EXECUTION_WEIGHTS: dict[tuple[int, Any], tuple[Any, Any]] = {}  # `converted_once`
 
 
 LAYERS_ENV = "JAXSPEC_LAYERS"  # "unstacked": run the layers as per-layer buffers on CPU (see `execution_weights`)
@@ -732,16 +749,17 @@ def runs_per_layer(mesh=None) -> bool:
 
 
 def converted_once(source, convert):
-    """convert(source), kept for the last three sources converted (by identity): repeated calls with the same weights
-    convert once, and at most three converted copies (a target, a draft model, a head) stay alive, each doubling
-    that model's memory."""
-    cached = _EXECUTION_WEIGHTS.get(id(source))
+    """convert(source), kept for the last three conversions (by the source's identity and the conversion): repeated
+    calls with the same weights convert once, and at most three converted copies (a target, a draft model, a head)
+    stay alive, each doubling that model's memory. `convert`: a module-level function (its identity is the key)."""
+    key = (id(source), convert)
+    cached = _EXECUTION_WEIGHTS.get(key)
     if cached is not None and cached[0] is source:
         return cached[1]
     converted = jax.block_until_ready(convert(source))
     if len(_EXECUTION_WEIGHTS) >= 3:
         _EXECUTION_WEIGHTS.pop(next(iter(_EXECUTION_WEIGHTS)))
-    _EXECUTION_WEIGHTS[id(source)] = (source, converted)
+    _EXECUTION_WEIGHTS[key] = (source, converted)
     return converted
 
 

@@ -214,3 +214,45 @@ def test_bad_method_options_are_refused(tiny_llama3):
         build_method("prompt-lookup", model, MethodOptions(num_draft_tokens=0))
 
 
+
+
+def test_a_draft_model_runs_rounded_to_bfloat16_in_the_per_layer_cpu_layout(tiny_llama3, monkeypatch):
+    """In the per-layer CPU layout with jaxspec's kernels a draft model's layer matrices are kept in bfloat16 (half
+    the bytes a drafted token reads): its forward then equals, bit for bit, the float32 forward of the same matrices
+    rounded to bfloat16, and the target's greedy output is still plain decoding's. storage="float32" keeps them as
+    loaded; an unknown storage is refused."""
+    from jaxspec import load_model
+    from jaxspec.kernels import kernels_on
+    from jaxspec.model import FeatureMajorLayer, feature_major_layers, forward
+
+    if jax.default_backend() != "cpu" or not kernels_on():
+        pytest.skip("the bfloat16 draft model is the per-layer CPU layout's, with jaxspec's kernels")
+    _, model, ref = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_LAYERS", "unstacked")
+    other = load_model(fixture_path("tiny-qwen2"))  # a draft model with biases, other random weights
+    drafter = DraftModelDrafter(depth=3, draft_cfg=other.config)
+    executed = drafter.execution_params(other.weights)
+    matrices = ("wqkv", "wo", "w_gate_up", "w_down")
+    assert all(isinstance(lw, FeatureMajorLayer) for lw in executed.layers)
+    assert {getattr(lw, name).dtype for lw in executed.layers for name in matrices} == {jnp.dtype(jnp.bfloat16)}
+    assert executed.embed.dtype == jnp.float32 and executed.layers[0].bqkv.dtype == jnp.float32
+    float32 = feature_major_layers(other.weights)
+    rounded = dataclasses.replace(float32, layers=tuple(
+        dataclasses.replace(lw, **{name: getattr(lw, name).astype(jnp.bfloat16).astype(jnp.float32)
+                                   for name in matrices}) for lw in float32.layers))
+    tokens = jnp.asarray([_tiny_prompts(ref)[1][:6]], jnp.int32)  # [1, 6]
+    for n in (1, 2, 6):  # one drafted token, the round's first two, a prefill
+        cache = init_cache(other.config, 1, 32, jnp.float32, per_layer=True)
+        positions = jnp.arange(n, dtype=jnp.int32)[None]  # [1, n]
+        got = forward(executed, other.config, tokens[:, :n], positions, cache).logits  # [1, n, V]
+        np.testing.assert_array_equal(got, forward(rounded, other.config, tokens[:, :n], positions, cache).logits)
+    prompts = _tiny_prompts(ref)
+    for batch in (prompts[:1], prompts):
+        expected = generate(model.weights, model.config, batch, max_new_tokens=16, eos_ids=()).token_ids
+        result = speculative_generate(model.weights, model.config, drafter, other.weights, batch, max_new_tokens=16,
+                                      eos_ids=())
+        assert result.token_ids == expected
+    kept = DraftModelDrafter(depth=3, draft_cfg=other.config, storage="float32").execution_params(other.weights)
+    assert kept.layers[0].wqkv.dtype == jnp.float32
+    with pytest.raises(UserError, match="storage"):
+        DraftModelDrafter(depth=3, draft_cfg=other.config, storage="int8")

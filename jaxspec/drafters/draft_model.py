@@ -19,16 +19,36 @@ from jaxspec.config import ModelConfig
 from jaxspec.drafters.base import ChainDrafter, RoundInputs, draft_chain
 from jaxspec.errors import UserError
 from jaxspec.generate import prefill
-from jaxspec.model import forward
+from jaxspec.kernels import kernels_on
+from jaxspec.model import Weights, bfloat16_feature_major_layers, converted_once, forward, runs_per_layer
 from jaxspec.sampling import SamplingConfig
+
+STORAGE_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftModelDrafter(ChainDrafter):
-    """params: the draft model's `Weights`; state: its KVCache."""
+    """params: the draft model's `Weights`; state: its KVCache.
+
+    storage: the dtype of the draft model's layer matrices where it runs in the per-layer CPU layout with jaxspec's
+    kernels: "bfloat16" (rounded once, read at half the bytes, computed in float32: a round's drafting streams the
+    draft model's weights once per drafted token; `jaxspec.model.bfloat16_feature_major_layers`) or "float32" (as
+    loaded). Elsewhere the weights run as loaded."""
 
     draft_cfg: ModelConfig
+    storage: str = "bfloat16"
     name: str = "draft-model"
+
+    def __post_init__(self):
+        if self.storage not in STORAGE_DTYPES:
+            raise UserError(f"The draft model's storage must be one of {', '.join(STORAGE_DTYPES)}; got "
+                            f"{self.storage!r}.")
+
+    def execution_params(self, params, mesh=None):
+        if (self.storage == "bfloat16" and isinstance(params, Weights) and runs_per_layer(mesh) and kernels_on()
+                and params.embed.dtype == jnp.float32 and not isinstance(params.layers, tuple)):
+            return converted_once(params, bfloat16_feature_major_layers)
+        return super().execution_params(params, mesh)
 
     def draft_cost_layers(self, target_cfg):
         # `depth` runs of the draft model, its layers weighed by width against the target's
