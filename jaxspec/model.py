@@ -120,7 +120,8 @@ class HeadScreen:
     error: jax.Array  # float32 []
     # float32 [V, d]: an untied output matrix (lm_head [d, V]) as rows, transposed once here: the kernel reads rows,
     # and lm_head.T inside the jitted step copied the whole matrix every step (Qwen2.5-Coder-1.5B: 0.93 GB, 330 of a
-    # 640 ms step). None where the output matrix is the embedding (already rows).
+    # 640 ms step). None where the output matrix is the embedding (already rows). A draft model rounded to bfloat16
+    # (`bfloat16_feature_major_layers`) keeps `matrix` itself here: its logits come from the rounded rows.
     rows: jax.Array | None = None
 
 
@@ -660,11 +661,12 @@ def feature_major_layers(weights: Weights) -> Weights:
 
 
 def bfloat16_feature_major_layers(weights: Weights) -> Weights:
-    """`feature_major_layers` with every FeatureMajorLayer's matrices rounded to bfloat16: a draft model read at half
-    the bytes per drafted token. `feature_major_product` widens them exactly in registers (with jaxspec's CPU kernels),
-    so the forward computes in float32 what the rounded matrices give; the norms, biases, embedding and LM head stay
-    float32. For drafters only: rounding moves the model's outputs a little, which may change which drafts the target
-    accepts, never what it emits."""
+    """`feature_major_layers` with every FeatureMajorLayer's matrices, and the LM head's rows where the layout screens
+    them (`HeadScreen`, whose bfloat16 matrix then also gives the logits), rounded to bfloat16: a draft model read at
+    half the bytes per drafted token. `feature_major_product` widens them exactly in registers (with jaxspec's CPU
+    kernels), so the forward computes in float32 what the rounded matrices give; the norms, biases and the embedding
+    stay float32. For drafters only: rounding moves the model's outputs a little, which may change which drafts the
+    target accepts, never what it emits."""
     weights = feature_major_layers(weights)
 
     def rounded(lw):
@@ -673,15 +675,17 @@ def bfloat16_feature_major_layers(weights: Weights) -> Weights:
         return dataclasses.replace(lw, **{name: getattr(lw, name).astype(jnp.bfloat16)
                                           for name in ("wqkv", "wo", "w_gate_up", "w_down")})
 
-    return dataclasses.replace(weights, layers=tuple(rounded(lw) for lw in weights.layers))
+    screen = weights.head_screen  # the LM head's rows, rounded already: the screen's matrix (None: no screen, kept)
+    return dataclasses.replace(weights, layers=tuple(rounded(lw) for lw in weights.layers),
+                               head_screen=None if screen is None else dataclasses.replace(screen, rows=screen.matrix))
 
 
 def _stored_rows(weights: Weights) -> jax.Array | None:
-    """The LM head's [V, d] rows where they are stored as such (the embedding when tied, the rows the CPU layout's
-    `HeadScreen` keeps of an untied head); None where only lm_head [d, V] is."""
-    if weights.lm_head is None:
-        return weights.embed
-    return None if weights.head_screen is None else weights.head_screen.rows
+    """The LM head's [V, d] rows where they are stored as such (the rows the CPU layout's `HeadScreen` keeps: of an
+    untied head, or a rounded draft model's; else the embedding when tied); None where only lm_head [d, V] is."""
+    if weights.head_screen is not None and weights.head_screen.rows is not None:
+        return weights.head_screen.rows
+    return weights.embed if weights.lm_head is None else None
 
 
 def output_matrix(weights: Weights) -> jax.Array:
@@ -810,7 +814,7 @@ def lm_head(weights: Weights, cfg: ModelConfig, x: jax.Array, vocab: jax.Array |
     # one product for any number of rows: the output matrix (113 MB for SmolLM2 in float32) does not stay in the
     # cache between 1-row products, so `_rowwise` read it once a row (2-4 rows: 1.3-1.8x slower than one product)
     rows = _stored_rows(weights)  # [V, d] or None
-    if isinstance(weights.layers, tuple) and rows is not None and rows.dtype == jnp.float32:
+    if isinstance(weights.layers, tuple) and rows is not None and rows.dtype in (jnp.float32, jnp.bfloat16):
         b, t, d = x.shape  # per-layer (CPU): the rows [V, d] are the [out, in] matrix the few-token kernel takes
         logits = feature_major_product(rows, x.reshape(b * t, d).T)  # [V, N]
         return logits.T.reshape(b, t, -1)

@@ -217,9 +217,10 @@ def test_bad_method_options_are_refused(tiny_llama3):
 
 
 def test_a_draft_model_runs_rounded_to_bfloat16_in_the_per_layer_cpu_layout(tiny_llama3, monkeypatch):
-    """In the per-layer CPU layout with jaxspec's kernels a draft model's layer matrices are kept in bfloat16 (half
-    the bytes a drafted token reads): its forward then equals, bit for bit, the float32 forward of the same matrices
-    rounded to bfloat16, and the target's greedy output is still plain decoding's. storage="float32" keeps them as
+    """In the per-layer CPU layout with jaxspec's kernels a draft model's layer matrices (and its LM head's rows,
+    where the layout screens them) are kept in bfloat16 (half the bytes a drafted token reads): its forward then
+    equals, bit for bit, the float32 forward of the same matrices rounded to bfloat16, and the target's greedy output
+    is still plain decoding's. storage="float32" keeps them as
     loaded; an unknown storage is refused."""
     from jaxspec import load_model
     from jaxspec.kernels import kernels_on
@@ -240,6 +241,10 @@ def test_a_draft_model_runs_rounded_to_bfloat16_in_the_per_layer_cpu_layout(tiny
     rounded = dataclasses.replace(float32, layers=tuple(
         dataclasses.replace(lw, **{name: getattr(lw, name).astype(jnp.bfloat16).astype(jnp.float32)
                                    for name in matrices}) for lw in float32.layers))
+    if float32.head_screen is not None:  # the LM head's rows, screened: rounded too, the screen's own matrix
+        assert executed.head_screen.rows is executed.head_screen.matrix
+        rounded = dataclasses.replace(rounded, head_screen=dataclasses.replace(
+            float32.head_screen, rows=float32.head_screen.matrix.astype(jnp.float32)))
     tokens = jnp.asarray([_tiny_prompts(ref)[1][:6]], jnp.int32)  # [1, 6]
     for n in (1, 2, 6):  # one drafted token, the round's first two, a prefill
         cache = init_cache(other.config, 1, 32, jnp.float32, per_layer=True)
