@@ -639,25 +639,40 @@ def unstack_layers(weights: Weights) -> Weights:
     """
     if isinstance(weights.layers, tuple):
         return weights
-    num_layers = weights.layers.attn_norm.shape[0]
-    layers = tuple(jax.tree.map(lambda w, i=i: w[i], weights.layers) for i in range(num_layers))
-    return dataclasses.replace(weights, layers=layers)
+    return dataclasses.replace(weights, layers=tuple(_each_layer(weights.layers)))
+
+
+def _each_layer(layers: LayerWeights | tuple):
+    """The layers one at a time: a tuple's own, or each layer of a stack as a copy made when it is reached."""
+    if isinstance(layers, tuple):
+        yield from layers
+        return
+    for i in range(layers.attn_norm.shape[0]):
+        yield jax.tree.map(lambda w, i=i: w[i], layers)
+
+
+def _laid_out(weights: Weights, convert_layer) -> Weights:
+    """The weights with convert_layer(each layer), the layers taken out of a stack one at a time and each copy
+    dropped once converted (memory holds the stacked weights and the converted ones, never a third, unstacked copy
+    besides: for Qwen2.5-Coder-1.5B, loaded and laid out in one process, the peak went from 20.4 to 15.5 GB), and
+    the output matrix's bfloat16 screen (`head_screen`)."""
+    converted = tuple(jax.block_until_ready(convert_layer(lw)) for lw in _each_layer(weights.layers))
+    return dataclasses.replace(weights, layers=converted, head_screen=head_screen(weights))
 
 
 def feature_major_layers(weights: Weights) -> Weights:
-    """The weights unstacked (`unstack_layers`) with every dense layer as a FeatureMajorLayer (the CPU layout), and a
-    float32 output matrix's bfloat16 screen (`head_screen`).
+    """The weights unstacked with every dense layer as a FeatureMajorLayer (the CPU layout), and a float32 output
+    matrix's bfloat16 screen (`head_screen`), converted one layer at a time (`_laid_out`)."""
+    return _laid_out(weights, feature_major_layer)
 
-    A stacked model is taken out of its stack one layer at a time, each layer's copy dropped once it is converted, so
-    that memory holds the stacked weights and the converted ones, not a third, unstacked copy besides (for
-    Qwen2.5-Coder-1.5B, loaded and laid out in one process, the peak resident memory went from 20.4 to 15.5 GB)."""
-    if isinstance(weights.layers, tuple):
-        layers = iter(weights.layers)
-    else:
-        num_layers = weights.layers.attn_norm.shape[0]
-        layers = (jax.tree.map(lambda w, i=i: w[i], weights.layers) for i in range(num_layers))
-    converted = tuple(jax.block_until_ready(feature_major_layer(lw)) for lw in layers)  # one layer's copy at a time
-    return dataclasses.replace(weights, layers=converted, head_screen=head_screen(weights))
+
+def _bfloat16_layer(lw: LayerWeights) -> FeatureMajorLayer | LayerWeights:
+    """`feature_major_layer` with its matrices rounded to bfloat16 (a layer that stays row-major is kept)."""
+    lw = feature_major_layer(lw)
+    if not isinstance(lw, FeatureMajorLayer):
+        return lw
+    return dataclasses.replace(lw, **{name: getattr(lw, name).astype(jnp.bfloat16)
+                                      for name in ("wqkv", "wo", "w_gate_up", "w_down")})
 
 
 def bfloat16_feature_major_layers(weights: Weights) -> Weights:
@@ -667,17 +682,10 @@ def bfloat16_feature_major_layers(weights: Weights) -> Weights:
     kernels), so the forward computes in float32 what the rounded matrices give; the norms, biases and the embedding
     stay float32. For drafters only: rounding moves the model's outputs a little, which may change which drafts the
     target accepts, never what it emits."""
-    weights = feature_major_layers(weights)
-
-    def rounded(lw):
-        if not isinstance(lw, FeatureMajorLayer):
-            return lw
-        return dataclasses.replace(lw, **{name: getattr(lw, name).astype(jnp.bfloat16)
-                                          for name in ("wqkv", "wo", "w_gate_up", "w_down")})
-
+    weights = _laid_out(weights, _bfloat16_layer)
     screen = weights.head_screen  # the LM head's rows, rounded already: the screen's matrix (None: no screen, kept)
-    return dataclasses.replace(weights, layers=tuple(rounded(lw) for lw in weights.layers),
-                               head_screen=None if screen is None else dataclasses.replace(screen, rows=screen.matrix))
+    return dataclasses.replace(weights, head_screen=None if screen is None else dataclasses.replace(
+        screen, rows=screen.matrix))
 
 
 def _stored_rows(weights: Weights) -> jax.Array | None:
