@@ -325,6 +325,21 @@ def _build_baseline(spec: MethodSpec, target: LoadedModel, options: MethodOption
     return Method(name=spec.name, drafter=None, params=None, target=target)
 
 
+_LAST_DRAFT_MODEL: dict[tuple, LoadedModel] = {}  # `_draft_model`: the last one loaded
+
+
+def _draft_model(name_or_path: str, dtype) -> LoadedModel:
+    """The draft model, loaded once for consecutive methods that name the same one (a --num-draft-tokens sweep builds
+    one method per K: a copy of Qwen2.5-Coder-0.5B per K, with its CPU layout, ran a 23 GB host out of memory); the
+    last one loaded is kept."""
+    stamp = os.path.getmtime(name_or_path) if os.path.exists(name_or_path) else None  # a file replaced: loaded anew
+    key = (os.path.abspath(name_or_path) if stamp is not None else name_or_path, stamp, str(jax.numpy.dtype(dtype)))
+    if key not in _LAST_DRAFT_MODEL:
+        _LAST_DRAFT_MODEL.clear()  # the previous draft model's memory goes with its methods
+        _LAST_DRAFT_MODEL[key] = load_model(name_or_path, dtype=dtype)
+    return _LAST_DRAFT_MODEL[key]
+
+
 def _build_training_free(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
     """draft-model, prompt-lookup, early-exit: chains (or top-W trees) from a model or the text, no training."""
     from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
@@ -339,7 +354,7 @@ def _build_training_free(spec: MethodSpec, target: LoadedModel, options: MethodO
         drafter = EarlyExitDrafter(depth=k, tree_width=width, exit_layer=layer)
         drafter.check_compatible(None, target.config)
         return Method(name=spec.name, drafter=drafter, params=None, target=target)
-    draft = load_model(options.draft_model, dtype=target.weights.embed.dtype)
+    draft = _draft_model(options.draft_model, target.weights.embed.dtype)
     if draft.config.is_hybrid:
         raise UserError(f"The draft model {options.draft_model} has linear-attention layers "
                         f"({draft.config.architecture}); jaxspec drafts with attention-only models for now.")

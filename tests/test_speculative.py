@@ -261,3 +261,19 @@ def test_a_draft_model_runs_rounded_to_bfloat16_in_the_per_layer_cpu_layout(tiny
     assert kept.layers[0].wqkv.dtype == jnp.float32
     with pytest.raises(UserError, match="storage"):
         DraftModelDrafter(depth=3, draft_cfg=other.config, storage="int8")
+
+
+def test_methods_naming_the_same_draft_model_share_its_weights(tiny_llama3):
+    """A --num-draft-tokens sweep builds one draft-model method per K: they load the draft model once (a copy per K,
+    each with its CPU layout, once ran a 23 GB host out of memory); another draft model replaces it."""
+    _, model, _ = tiny_llama3
+    path = fixture_path("tiny-qwen2")
+    two, three = (build_method("draft-model", model, MethodOptions(draft_model=path, num_draft_tokens=k))
+                  for k in (2, 3))
+    assert (two.drafter.depth, three.drafter.depth) == (2, 3) and two.params is three.params
+    other = build_method("draft-model", model, MethodOptions(draft_model=fixture_path("tiny-llama3"),
+                                                             num_draft_tokens=2))
+    assert other.params is not two.params
+    again = build_method("draft-model", model, MethodOptions(draft_model=path, num_draft_tokens=2))
+    assert again.params is not two.params  # the last one loaded is kept, not every one
+    jax.tree.map(np.testing.assert_array_equal, again.params, two.params)
