@@ -36,8 +36,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    "default: the drafter shipped for the model, if any")
     p.add_argument("--draft-model", help="draft-model: a known name, .gguf file or HF folder sharing the tokenizer")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="draft depth per round (default per method: draft-model 4, prompt-lookup 4, early-exit 3; "
-                        "eagle2/eagle3: the tree depth, default the drafter's)")
+                   help="draft depth per round (default per method: draft-model --budget auto, prompt-lookup 4, "
+                        "early-exit 3; eagle2/eagle3: the tree depth, default the drafter's)")
     p.add_argument("--tree-nodes", type=int, default=None,
                    help="eagle2, eagle3: drafted nodes verified per round (N of the dynamic tree)")
     p.add_argument("--lookup-tokens", type=int, default=None,
@@ -52,7 +52,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="ddtree, jetspec: drafted nodes verified per round (B); dflash: the chain length (<= block "
                         "size); or 'auto' (the default on one device): chosen per batch size from a cost model of "
                         "this device and the head's tokens per round at each budget (both measured once, cached); "
-                        "eagle2/eagle3: 'auto' only (their tree by hand takes the tree options)")
+                        "eagle2/eagle3: 'auto' only (their tree by hand takes the tree options); draft-model: "
+                        "'auto' only, the chain's length (by hand: --num-draft-tokens)")
     p.add_argument("--refresh-steps", type=int, default=None,
                    help="jetspec: tree-causal re-scoring forwards after the one-forward marginal tree (default 1)")
     p.add_argument("--num-stages", type=int, default=None,

@@ -799,8 +799,8 @@ def build_methods(target: LoadedModel, args) -> list[Method]:
                     if spec.chain_budget and budget != "auto":  # a chain: at most the block size
                         block = _dflash_block_size(target, name, drafter or None)
                     overrides["budget"] = budget if block is None else min(budget, block)
-                elif budget is not None:  # the EAGLE trees: auto (also their default) or N nodes
-                    if budget == "auto":
+                elif budget is not None:  # the EAGLE trees: auto (also their default) or N nodes; a chain: auto
+                    if budget == "auto" or spec.auto == "chain":
                         overrides["budget"] = "auto"
                     else:
                         overrides["tree_nodes"] = budget

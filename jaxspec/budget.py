@@ -761,6 +761,31 @@ def eagle_draft_seconds(cost: CostModel, batch: int, shape: TreeShape, *, target
     return absorb + (shape.depth - 1) * (layer_work + vocab_work) * per_weight(shape.top_k)
 
 
+# A draft model's chains (`jaxspec.drafters.DraftModelDrafter` with --budget auto, its default): no draft, or 1 to
+# DRAFT_MODEL_DEPTH tokens. A draft model that keeps nearly every token (Qwen2.5-Coder-0.5B for -1.5B on code: about
+# 0.97 of its first drafts) pays for long chains where its forward is cheap against the target's.
+DRAFT_MODEL_DEPTH = 10
+CHAIN_SHAPES = (PLAIN,) + tuple(TreeShape(d, 1, d) for d in range(1, DRAFT_MODEL_DEPTH + 1))
+CHAIN_TOKEN_COUNTS = (1, 2, 3, 4, 5, 7, 9, 11)  # the verification sizes measured for them (6, 8, 10 interpolated)
+
+
+def draft_model_seconds(cost: CostModel, batch: int, shape: TreeShape, *, target_work: int, draft_work: int) -> float:
+    """Seconds a draft model drafts a chain of `shape.depth` tokens at this batch size, on the target's verification
+    cost model: one forward over the last two committed tokens (`DraftModelDrafter.propose`), then one per further
+    token, each costed at the target's own seconds per weight at that many tokens per row (one target forward over
+    n tokens per row multiplies `target_work` weights), times the draft model's `draft_work`.
+
+    Args:
+        target_work: weights one target forward multiplies per token (its layers, plus vocabulary x width);
+        draft_work: the draft model's, weighed by the bytes it reads per weight against the target's (a draft
+            model read in bfloat16 beside a float32 target counts half).
+    """
+    if shape.plain:
+        return 0.0  # no draft model runs
+    per_weight = [cost.verify_seconds(batch, tokens) / target_work for tokens in (1, 2)]
+    return draft_work * (per_weight[1] + (shape.depth - 1) * per_weight[0])
+
+
 def format_tree_table(rows: list[dict]) -> str:
     """A plain-text table of `choose_tree`'s rows, the chosen one marked with '*'."""
     lines = [f"{'depth':>5} {'top_k':>5} {'nodes':>5} {'lookup':>6} {'tau':>6} {'verify ms':>10} {'draft ms':>9} "

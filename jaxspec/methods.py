@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any
 
 import jax
@@ -112,6 +113,8 @@ class Method:
             shape = self.auto_tree(batch, greedy)[0]
             if shape.plain:
                 return None
+            if self._drafts_chain:
+                return dataclasses.replace(self.drafter, depth=shape.depth)
             return dataclasses.replace(self.drafter, depth=shape.depth, top_k=shape.top_k,
                                        num_nodes=shape.verified_nodes, lookup_depth=shape.lookup)
         budget = self.auto_budget(batch, greedy)[0]
@@ -133,6 +136,14 @@ class Method:
                 self.sampled_cost_model = cost
         return cost
 
+    @property
+    def _drafts_chain(self) -> bool:
+        """Whether --budget auto sizes a draft model's chain (`auto_tree` with CHAIN_SHAPES) rather than an EAGLE
+        tree."""
+        from jaxspec.drafters import DraftModelDrafter
+
+        return isinstance(self.drafter, DraftModelDrafter)
+
     def auto_tree(self, batch: int, greedy: bool = True):
         """(TreeShape, table) of --budget auto for eagle2/eagle3 at this batch size: the shape with the highest
         expected tokens/s from the device's verification cost model and the head's measured acceptance. Drafting is
@@ -146,27 +157,65 @@ class Method:
         for the shapes with a prompt-lookup chain what merging it adds along the same sampled answers
         (`sampled_text`: a sampled round keeps a deterministic draft exactly when the target draws its token); the
         verification (plain decoding's step too) is then costed on the sampled cost model, whose rows also draw their
-        tokens; the head's drafting, the same at any temperature, stays on the greedy one."""
-        from jaxspec.budget import EAGLE_TOKEN_COUNTS, choose_tree, eagle_draft_seconds
+        tokens; the head's drafting, the same at any temperature, stays on the greedy one.
 
-        greedy_cost, cfg, head = self._cost_model_at(batch, EAGLE_TOKEN_COUNTS), self.target.config, self.params
-        cost = greedy_cost if greedy else self._cost_model_at(batch, EAGLE_TOKEN_COUNTS, greedy=False)
+        For a draft model the same choice runs over its chains (`jaxspec.budget.CHAIN_SHAPES`), with the ranks and
+        the sampled rounds' keep chances of `measured_chain_profile` and its forwards costed by
+        `jaxspec.budget.draft_model_seconds`."""
+        from jaxspec.budget import CHAIN_TOKEN_COUNTS, EAGLE_TOKEN_COUNTS, choose_tree
+
+        counts = CHAIN_TOKEN_COUNTS if self._drafts_chain else EAGLE_TOKEN_COUNTS
+        greedy_cost = self._cost_model_at(batch, counts)
+        cost = greedy_cost if greedy else self._cost_model_at(batch, counts, greedy=False)
+        if self._drafts_chain:
+            from jaxspec.budget import CHAIN_SHAPES
+
+            return choose_tree(cost, batch, self.tree_ranks, self._draft_model_seconds(greedy_cost),
+                               shapes=CHAIN_SHAPES, draft_mass=None if greedy else self.draft_mass)
+        return choose_tree(cost, batch, self.tree_ranks, self._eagle_draft_seconds(greedy_cost),
+                           lookup_runs=self.lookup_runs if greedy else None,
+                           draft_mass=None if greedy else self.draft_mass, lookup_valid=self.lookup_valid,
+                           sampled_text=None if greedy else self.sampled_text)
+
+    def _target_work(self) -> int:
+        """Weights one target forward multiplies per token: its layers, and its LM head (vocabulary x width)."""
+        cfg = self.target.config
+        return parameter_count(self.target.weights.layers) + cfg.vocab_size * cfg.hidden_size
+
+    def _draft_model_seconds(self, greedy_cost):
+        """(rows, shape) -> seconds of a draft model's chain: its layers and LM head, weighed by the bytes its run
+        reads per weight (`DraftModelDrafter.execution_params`: bfloat16 on the CPU layout) against the target's."""
+        from jaxspec.budget import draft_model_seconds
+
+        draft, draft_cfg = self.params, self.drafter.draft_cfg
+        executed = self.drafter.execution_params(draft, self.mesh)
+        bytes_ratio = _bytes(executed.layers) / _bytes(draft.layers)
+        draft_work = round(bytes_ratio * (parameter_count(draft.layers) + draft_cfg.vocab_size * draft_cfg.hidden_size))
+        target_work = self._target_work()
+
+        def draft_seconds(rows: int, shape) -> float:
+            return draft_model_seconds(greedy_cost, rows, shape, target_work=target_work, draft_work=draft_work)
+
+        return draft_seconds
+
+    def _eagle_draft_seconds(self, greedy_cost):
+        """(rows, shape) -> seconds of an EAGLE head's drafting (`jaxspec.budget.eagle_draft_seconds`)."""
+        from jaxspec.budget import eagle_draft_seconds
+
+        head = self.params
         fuse, vocab = int(np.size(head.fc)), int(np.size(head.lm_head))
         # a head whose matrices run in bfloat16 (`feature_major_head`) reads half the bytes a weight of the target's
         # float32 layers does: its weights count by their bytes (drafting reads them from memory)
         executed = self.drafter.execution_params(head, self.mesh)
         bytes_ratio = executed.fc.dtype.itemsize / self.target.weights.embed.dtype.itemsize
-        work = dict(target_work=parameter_count(self.target.weights.layers) + cfg.vocab_size * cfg.hidden_size,
+        work = dict(target_work=self._target_work(),
                     layer_work=round(bytes_ratio * (parameter_count(head) - fuse - vocab - int(np.size(head.d2t)))),
                     fuse_work=round(bytes_ratio * fuse), vocab_work=round(bytes_ratio * vocab))
 
         def draft_seconds(rows: int, shape) -> float:
             return eagle_draft_seconds(greedy_cost, rows, shape, **work)
 
-        return choose_tree(cost, batch, self.tree_ranks, draft_seconds,
-                           lookup_runs=self.lookup_runs if greedy else None,
-                           draft_mass=None if greedy else self.draft_mass, lookup_valid=self.lookup_valid,
-                           sampled_text=None if greedy else self.sampled_text)
+        return draft_seconds
 
     def auto_table(self, batch: int, greedy: bool = True) -> tuple[str, str, list[dict]]:
         """(what was chosen, the table as text, its rows) of --budget auto at this batch size (greedy: see
@@ -177,6 +226,8 @@ class Method:
             shape, rows = self.auto_tree(batch, greedy)
             lookup = f" + a prompt-lookup chain of {shape.lookup}" if shape.lookup else ""
             chosen = f"depth {shape.depth}, top_k {shape.top_k}, {shape.num_nodes} nodes{lookup}"
+            if self._drafts_chain:
+                chosen = f"a chain of {shape.depth} draft tokens"
             if shape.plain:
                 chosen = "no draft: plain decoding (no tree is expected to beat it here)"
             return chosen, format_tree_table(rows), [dict(r, shape=dataclasses.asdict(r["shape"])) for r in rows]
@@ -233,6 +284,11 @@ def plain_rounds(result: GenerationResult) -> SpeculativeResult:
 def parameter_count(tree) -> int:
     """The number of elements in a pytree of arrays (weights of any layout, stacked or per layer)."""
     return int(sum(np.size(leaf) for leaf in jax.tree.leaves(tree)))
+
+
+def _bytes(tree) -> int:
+    """The bytes a pytree of arrays holds."""
+    return int(sum(np.size(leaf) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree)))
 
 
 def build_method(name: str, target: LoadedModel, options: MethodOptions = MethodOptions()) -> Method:
@@ -301,6 +357,12 @@ def check_method_options(name: str, options: MethodOptions) -> None:
             "The draft-model method needs --draft-model (a known name, .gguf file or Hugging Face folder of a smaller "
             "model with the target's tokenizer)."
         )
+    if spec.auto == "chain" and options.budget not in (None, "auto"):
+        raise UserError(f"{name} takes --budget auto (the default: the chain's length chosen for this device) or its "
+                        "chain by hand with --num-draft-tokens (and --tree-width), not a number.")
+    if spec.auto == "chain" and options.budget == "auto" and options.tree_by_hand:
+        raise UserError(f"{name}: give either --budget auto or the chain by hand (--num-draft-tokens, --tree-width), "
+                        "not both.")
     if spec.auto == "tree":
         if options.budget not in (None, "auto"):
             raise UserError(f"{name} takes --budget auto (the default) or its tree by hand with --num-draft-tokens, "
@@ -360,6 +422,16 @@ def _build_training_free(spec: MethodSpec, target: LoadedModel, options: MethodO
                         f"({draft.config.architecture}); jaxspec drafts with attention-only models for now.")
     drafter = DraftModelDrafter(depth=k, tree_width=width, draft_cfg=draft.config)
     drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
+    # --budget auto, the default on one device unless the chain is given by hand: the chain's length from the
+    # device's cost model and the draft model's measured acceptance along the target's own answers
+    if options.budget == "auto" or (options.mesh is None and options.budget is None and not options.tree_by_hand):
+        from jaxspec.budget import CHAIN_TOKEN_COUNTS, load_or_measure_cost_model
+
+        # batch 1 now; other batch sizes when they are first used (Method.auto_tree)
+        cost_model = load_or_measure_cost_model(target, batch_sizes=(1,), token_counts=CHAIN_TOKEN_COUNTS)
+        ranks, mass = measured_chain_profile(target, draft)
+        return Method(name=spec.name, drafter=drafter, params=draft.weights, target=target, cost_model=cost_model,
+                      tree_ranks=ranks, draft_mass=mass)
     return Method(name=spec.name, drafter=drafter, params=draft.weights, target=target)
 
 
@@ -786,6 +858,55 @@ def _measure_budget_taus(target: LoadedModel, drafter, params, budgets) -> dict[
     return taus
 
 
+def _calibration_text(target: LoadedModel, sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens int64[R, S], lengths int[R], answer starts int[R]): the calibration prompts followed by the target's
+    own answers of up to CALIBRATION_TOKENS tokens, decoded with `sampling` (seed CALIBRATION_SEED)."""
+    prompts = _calibration_prompts(target)
+    starts = np.array([len(p) for p in prompts])  # [R]
+    answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS,
+                       sampling=sampling, seed=CALIBRATION_SEED).token_ids
+    lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
+    tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]
+    for row, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[row, : lengths[row]] = p + a
+    return tokens, lengths, starts
+
+
+def measured_chain_profile(target: LoadedModel, draft: LoadedModel) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks int[P, DRAFT_MODEL_DEPTH], mass float[P', DRAFT_MODEL_DEPTH, 1]): a draft model's ranks of the
+    target's tokens along the target's own greedy answers to CALIBRATION_PROMPTS (what its chains keep at T=0), and
+    along answers the target sampled at CALIBRATION_TEMPERATURE the chance a sampled round keeps each level
+    (`jaxspec.drafters.draft_model.chain_statistics`). From $JAXSPEC_CACHE_DIR per target and draft model, else
+    measured (two generations of the calibration prompts by the target and teacher-forced forwards of both models,
+    about a minute for SmolLM2, a few for a 1.5B target on a CPU) and cached there."""
+    import hashlib
+
+    from jaxspec.budget import DRAFT_MODEL_DEPTH, cache_folder
+    from jaxspec.drafters.draft_model import chain_statistics
+
+    key = json.dumps([target.fingerprint(), draft.fingerprint(), _calibration_digest(), DRAFT_MODEL_DEPTH])
+    path = os.path.join(cache_folder(), f"chain-ranks-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz")
+    if os.path.isfile(path):
+        try:
+            with np.load(path) as f:
+                return f["ranks"], f["draft_mass"]
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: measured again below
+
+    def statistics(sampling: SamplingConfig, temperature: float | None):
+        tokens, lengths, starts = _calibration_text(target, sampling)
+        return chain_statistics(draft.weights, draft.config, target.weights, target.config, tokens, lengths, starts,
+                                DRAFT_MODEL_DEPTH, temperature)
+
+    print("jaxspec: measuring the draft model's acceptance along the target's answers (once per pair) ...",
+          file=sys.stderr, flush=True)
+    ranks, _ = statistics(GREEDY, None)  # [P, D]
+    _, mass = statistics(SamplingConfig(temperature=CALIBRATION_TEMPERATURE), CALIBRATION_TEMPERATURE)  # [P', D, 1]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez(path, ranks=ranks, draft_mass=mass)
+    return ranks, mass
+
+
 def _measure_draft_ranks(target: LoadedModel, drafter, params):
     from jaxspec.budget import SampledText
     from jaxspec.drafters.eagle import draft_statistics
@@ -795,12 +916,7 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     starts = np.array([len(p) for p in prompts])  # [R]
 
     def text(sampling: SamplingConfig):  # (tokens [R, S], lengths [R]): the prompts and the target's answers
-        answers = generate(target.weights, target.config, prompts, max_new_tokens=CALIBRATION_TOKENS,
-                           sampling=sampling, seed=CALIBRATION_SEED).token_ids
-        lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
-        tokens = np.zeros((len(prompts), int(lengths.max())), np.int64)  # [R, S]
-        for row, (p, a) in enumerate(zip(prompts, answers)):
-            tokens[row, : lengths[row]] = p + a
+        tokens, lengths, _ = _calibration_text(target, sampling)
         return tokens, lengths
 
     def statistics(tokens, lengths, top_k: int):

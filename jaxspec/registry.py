@@ -31,9 +31,10 @@ OPTION_FLAGS = {
 }
 
 # What `--budget auto` sizes: "tree" the EAGLE dynamic tree (depth, top_k, nodes; also the default when no tree is
-# given by hand), "budget" the drafted nodes per round of the parallel heads (also the default when no budget is
-# given); both on one device (with --mesh, the drafter's own tree or budget unless --budget auto is given).
-AutoKind = Literal["tree", "budget"] | None
+# given by hand), "chain" a draft model's chain length (also the default when neither --num-draft-tokens nor
+# --tree-width is given), "budget" the drafted nodes per round of the parallel heads (also the default when no budget
+# is given); all on one device (with --mesh, the drafter's own tree, chain or budget unless --budget auto is given).
+AutoKind = Literal["tree", "chain", "budget"] | None
 # The families, each built by one function of `jaxspec.methods`.
 Family = Literal["baseline", "training-free", "medusa", "eagle", "parallel", "pipeline"]
 
@@ -102,8 +103,8 @@ METHOD_SPECS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(name="autoregressive", summary="plain decoding, one target forward per token (the baseline)",
                family="baseline"),
     MethodSpec(name="draft-model", summary="a smaller model with the target's tokenizer drafts a chain or a tree",
-               family="training-free", options=frozenset({"draft_model", "num_draft_tokens", "tree_width"}),
-               default_draft_tokens=4),
+               family="training-free", options=frozenset({"draft_model", "num_draft_tokens", "tree_width", "budget"}),
+               default_draft_tokens=4, auto="chain"),
     MethodSpec(name="prompt-lookup", summary="copies the continuation of the last n-gram found earlier in the text",
                family="training-free", options=frozenset({"num_draft_tokens", "ngram"}), default_draft_tokens=4,
                refusal_hint="prompt lookup copies one continuation"),

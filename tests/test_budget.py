@@ -515,3 +515,37 @@ def test_chosen_layout_is_measured_once_per_batch_size_and_cached(tiny_llama3, t
     assert "unreadable" in capsys.readouterr().err
     with pytest.raises(UserError, match="auto, stacked or unstacked"):
         chosen_layout(model, 1, "scanned")
+
+
+def test_a_draft_models_chain_is_sized_by_the_argmax_of_its_throughput_model():
+    """A draft model's chain of K costs one draft forward over 2 tokens and K - 1 over one (each at the target's
+    seconds per weight times the draft model's weights), plus the verification of K + 1 tokens; its tau is 1 + the
+    mean of min(run, K) over the measured positions. By hand, on a cost model where a token of verification is
+    cheap (long chains pay) and on one where it is dear (plain decoding wins)."""
+    from jaxspec.budget import CHAIN_SHAPES, PLAIN, TreeShape, choose_tree, draft_model_seconds
+
+    counts = [1, 2, 3, 4, 5, 7, 9, 11]
+    runs = np.array([0, 1, 2, 3, 5, 8, 10, 10, 10, 4])  # [P]: how many leading drafts the target keeps at each root
+    ranks = np.where(np.arange(10)[None, :] < runs[:, None], 0, 3)  # [P, 10]: rank 0 while kept, then a miss
+    for per_token, expected_depth in ((0.02, None), (1.5, PLAIN)):
+        cost = CostModel(device="test", model="abc", batch_sizes=[1], token_counts=counts,
+                         seconds=[[0.1 * (1 + per_token * (t - 1)) for t in counts]])
+        work = dict(target_work=1000, draft_work=100)  # a draft model of a tenth of the target's weights
+
+        def draft_seconds(rows, shape, work=work, cost=cost):
+            return draft_model_seconds(cost, rows, shape, **work)
+
+        shape, rows = choose_tree(cost, 1, ranks, draft_seconds, shapes=CHAIN_SHAPES)
+        by_hand = {}
+        for k in range(0, 11):
+            tau = 1 + np.minimum(runs, k).mean()
+            draft = 0.0 if k == 0 else 100 / 1000 * (cost.verify_seconds(1, 2) + (k - 1) * cost.verify_seconds(1, 1))
+            by_hand[k] = tau / (cost.verify_seconds(1, k + 1) + draft)
+        assert [r["tokens_per_second"] for r in rows] == pytest.approx([by_hand[k] for k in range(11)])
+        best = max(by_hand, key=by_hand.get)
+        assert shape == (TreeShape(best, 1, best) if best else PLAIN)
+        if expected_depth is PLAIN:
+            assert shape == PLAIN
+        else:
+            assert shape.depth >= 5  # cheap verification and a tenth-size draft model: a long chain
+    assert draft_model_seconds(cost, 1, PLAIN, target_work=1000, draft_work=100) == 0.0

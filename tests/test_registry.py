@@ -74,6 +74,8 @@ def _options(spec) -> MethodOptions:
         options["drafter"] = "untrained"
     if spec.auto == "budget":  # a budget by hand: --budget auto (the default) is tested in test_parallel.py
         options["budget"] = 8
+    if spec.auto == "chain":  # a chain by hand: --budget auto (the default) is tested in test_speculative.py
+        options["num_draft_tokens"] = spec.default_draft_tokens
     if "draft_model" in spec.options:
         options["draft_model"] = fixture_path("tiny-qwen2")
     if spec.pipeline:

@@ -101,6 +101,8 @@ def _registry_method(name: str):
         options.update(num_draft_tokens=3, tree_width=2, tree_nodes=5)
     elif spec.auto == "budget":
         options["budget"] = 3 if spec.chain_budget else 5
+    elif spec.auto == "chain":
+        options["num_draft_tokens"] = spec.default_draft_tokens
     if spec.pipeline:
         options["num_stages"] = 2
     target = LoadedModel(config=CFG, weights=TARGET, tokenizer=None, source="tiny-v8")

@@ -277,3 +277,117 @@ def test_methods_naming_the_same_draft_model_share_its_weights(tiny_llama3):
     again = build_method("draft-model", model, MethodOptions(draft_model=path, num_draft_tokens=2))
     assert again.params is not two.params  # the last one loaded is kept, not every one
     jax.tree.map(np.testing.assert_array_equal, again.params, two.params)
+
+
+def _noisy_copy(weights, scale: float = 0.15):
+    """The target's weights, each matrix perturbed by relative Gaussian noise: a draft model that agrees with the
+    target often, not always."""
+    leaves, tree = jax.tree.flatten(weights)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = [w * (1 + scale * jax.random.normal(k, w.shape, w.dtype)) if w.ndim >= 2 else w
+             for w, k in zip(leaves, keys)]
+    return jax.tree.unflatten(tree, noisy)
+
+
+def test_a_draft_models_chain_statistics_predict_every_round_of_the_decoding_loop(tiny_llama3):
+    """`chain_statistics`' ranks, teacher-forced along the target's greedy answers, predict the real decoding loop
+    round by round: a chain of K keeps exactly its leading rank-0 drafts (at most K) at each round's root, on 3 rows
+    of different lengths. A draft model that is the target ranks every token first and keeps every sampled level."""
+    from jaxspec.drafters.draft_model import NOT_DRAFTED, chain_statistics
+
+    _, model, ref = tiny_llama3
+    cfg, prompts, k, new = model.config, _tiny_prompts(ref), 3, 24
+    draft = _noisy_copy(model.weights)
+    answers = generate(model.weights, cfg, prompts, max_new_tokens=new, eos_ids=()).token_ids
+    lengths = np.array([len(p) + len(a) for p, a in zip(prompts, answers)])  # [R]
+    tokens = np.zeros((3, lengths.max()), np.int64)  # [R, S]
+    for row, (p, a) in enumerate(zip(prompts, answers)):
+        tokens[row, : lengths[row]] = p + a
+    starts = np.array([len(p) for p in prompts])  # [R]
+    ranks, mass = chain_statistics(draft, cfg, model.weights, cfg, tokens, lengths, starts, 6)
+    assert ranks.shape == (int(np.sum(lengths - starts - 1)), 6) and mass.shape == (len(ranks), 6, 0)
+    result = speculative_generate(model.weights, cfg, DraftModelDrafter(depth=k, draft_cfg=cfg), draft, prompts,
+                                  max_new_tokens=new, eos_ids=())
+    assert result.token_ids == answers
+    offsets = np.concatenate([[0], np.cumsum(lengths - starts - 1)])  # [R + 1]: each row's first root in `ranks`
+    checked, kept = 0, 0
+    for row, accepted in enumerate(result.accepted):
+        root = starts[row]  # the first round's root: the first generated token
+        for got in accepted:
+            if root + k + 1 >= lengths[row]:  # the last rounds stop at max_new_tokens
+                break
+            leading = int(np.cumprod(ranks[offsets[row] + root - starts[row], :k] == 0).sum())
+            assert got == leading, (row, root)
+            checked, kept = checked + 1, kept + got
+            root += got + 1
+    assert checked >= 15 and 0 < kept < checked * k  # rounds that keep some drafts and miss others
+    assert ranks[offsets[1] - 1, 0] != NOT_DRAFTED and ranks[offsets[1] - 1, 1] == NOT_DRAFTED  # a row's last root
+    same_ranks, same_mass = chain_statistics(model.weights, cfg, model.weights, cfg, tokens, lengths, starts, 4,
+                                             temperature=1.0)
+    inside = same_ranks != NOT_DRAFTED  # [P, 4]
+    assert np.all(same_ranks[inside] == 0)
+    np.testing.assert_allclose(same_mass[..., 0][inside], 1.0, atol=1e-5)
+    assert np.all(same_mass[..., 0][~inside] == 0)
+
+
+def test_a_draft_model_sizes_its_chain_for_the_device_by_default(tiny_llama3, tmp_path, monkeypatch):
+    """Without --num-draft-tokens a draft model's chain length is chosen per batch size (--budget auto) from the
+    device's cost model and the draft model's acceptance measured along the target's answers (cached per pair): the
+    argmax of its own throughput table, a long chain where verification is nearly free, no draft where every
+    verified token is dear; greedy output is plain decoding's either way. A chain by hand keeps the given K."""
+    from unittest import mock
+
+    from jaxspec import methods
+    from jaxspec.budget import CHAIN_TOKEN_COUNTS, DEFAULT_CONTEXT, CostModel, cost_device, cost_model_path
+    from jaxspec.loading import LoadedModel
+
+    _, tiny, ref = tiny_llama3
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    # a target whose last two layers add little (their output projections scaled down), and its first layer with
+    # the LM head as the draft model: a third of its layers, right about 0.9 of the time
+    layers, scale = tiny.weights.layers, jnp.asarray([1.0, 0.05, 0.05])  # [L]
+    layers = dataclasses.replace(layers, wo=layers.wo * scale[:, None, None, None],
+                                 w_down=layers.w_down * scale[:, None, None])
+    model = dataclasses.replace(tiny, weights=dataclasses.replace(tiny.weights, layers=layers))
+    draft = LoadedModel(config=dataclasses.replace(model.config, num_layers=1), tokenizer=None, source="tiny-first",
+                        weights=dataclasses.replace(model.weights, layers=jax.tree.map(lambda x: x[:1], layers)))
+    prompts = _tiny_prompts(ref)
+
+    def save_costs(per_token: float) -> None:  # batch 1 and 3: seconds grow by per_token of a step per token
+        for sampled in (False, True):
+            seconds = [[0.01 * b * (1 + per_token * (t - 1)) for t in CHAIN_TOKEN_COUNTS] for b in (1, 3)]
+            CostModel(device=cost_device(model, sampled), model=model.fingerprint(), batch_sizes=[1, 3],
+                      token_counts=list(CHAIN_TOKEN_COUNTS), seconds=seconds, context=DEFAULT_CONTEXT).save(
+                cost_model_path(model, sampled=sampled))
+
+    def build(**options):
+        with mock.patch.object(methods, "load_model", lambda path, dtype=None: draft):
+            return build_method("draft-model", model, MethodOptions(draft_model="tiny-first", **options))
+
+    save_costs(0.01)
+    method = build()
+    assert method.cost_model is not None and method.tree_ranks.shape[1] == 10 and method.draft_mass.shape[2] == 1
+    for greedy in (True, False):
+        shape, rows = method.auto_tree(1, greedy)
+        best = max(rows, key=lambda r: r["tokens_per_second"])
+        assert best["chosen"] and best["shape"] == shape and shape.depth >= 3, rows
+    chosen, table, _ = method.auto_table(1)
+    assert chosen.startswith("a chain of") and "speedup" in table
+    for batch in (prompts[:1], prompts):
+        expected = generate(model.weights, model.config, batch, max_new_tokens=20, eos_ids=()).token_ids
+        assert method.generate(batch, max_new_tokens=20, eos_ids=()).token_ids == expected
+    assert method.drafter_for_batch(1).depth == method.auto_tree(1)[0].depth
+    with mock.patch("jaxspec.drafters.draft_model.chain_statistics", side_effect=AssertionError("measured again")):
+        again = build()  # the measured profile is read back from the cache
+    np.testing.assert_array_equal(again.tree_ranks, method.tree_ranks)
+    save_costs(3.0)  # every verified token costs three steps: no chain pays
+    dear = build()
+    assert dear.drafter_for_batch(1) is None and dear.auto_table(1)[0].startswith("no draft")
+    expected = generate(model.weights, model.config, prompts, max_new_tokens=12, eos_ids=()).token_ids
+    assert dear.generate(prompts, max_new_tokens=12, eos_ids=()).token_ids == expected
+    by_hand = build(num_draft_tokens=2)
+    assert by_hand.cost_model is None and by_hand.drafter.depth == 2
+    with pytest.raises(UserError, match="not both"):
+        build(num_draft_tokens=2, budget="auto")
+    with pytest.raises(UserError, match="not a number"):
+        build(budget=4)

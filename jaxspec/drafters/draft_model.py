@@ -11,8 +11,11 @@ its entry is already cached (same token, same context) and needed when the previ
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.cache import init_cache
 from jaxspec.config import ModelConfig
@@ -70,10 +73,7 @@ class DraftModelDrafter(ChainDrafter):
         out = forward(params, cfg, tokens, positions, cache)
 
         def to_target_vocab(logits):  # [B, Vd] -> [B, V]: the target's ids, -inf where the drafter has none
-            extra = target_cfg.vocab_size - cfg.vocab_size
-            if extra >= 0:
-                return jnp.pad(logits, ((0, 0), (0, extra)), constant_values=-jnp.inf)
-            return logits[:, : target_cfg.vocab_size]
+            return _target_vocabulary(logits, target_cfg.vocab_size)
 
         def step(token, position, cache):
             cache = dataclasses.replace(cache, lengths=position)
@@ -105,3 +105,72 @@ def check_same_vocabulary(target_cfg: ModelConfig, draft_cfg: ModelConfig, targe
             f"The tokenizer has {len(target_tokenizer)} tokens but the draft model's vocabulary is only "
             f"{draft_cfg.vocab_size}; it cannot draft for this target."
         )
+
+
+NOT_DRAFTED = 1 << 30  # `chain_statistics`: the rank of a token past the text's end (nothing to draft)
+
+
+def chain_statistics(draft_weights: Weights, draft_cfg: ModelConfig, target_weights: Weights, target_cfg: ModelConfig,
+                     tokens: np.ndarray, lengths: np.ndarray, response_starts: np.ndarray, depth: int,
+                     temperature: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What a draft model's chain keeps along text (`jaxspec.budget.choose_tree` sizes its chain from these): at every
+    position of the answers, a round's root, the rank of the text's next `depth` tokens among the draft model's
+    logits, each fed the true text before it (teacher forcing: what a round drafts for as long as its drafts are
+    accepted), and with a `temperature`, the chance a sampled round keeps each draft there.
+
+    A sampled round draws each draft from the draft model's distribution q and keeps it with probability
+    min(1, p/q) under the target's p (the same temperature), so a level is kept with sum_x min(p(x), q(x)); the
+    masses take both distributions after the text's own tokens (the approximation `jaxspec.budget.
+    expected_tokens_sampled` states for the EAGLE heads).
+
+    Args:
+        tokens: int[R, S] prompts followed by answers; lengths: int[R] their lengths; response_starts: int[R] where
+            each answer starts (the first round's root). depth: the longest chain measured.
+        temperature: None for the ranks alone (mass [P, depth, 0]).
+    Returns:
+        (ranks int64[P, depth]: ranks[p, j] the rank of the token j + 1 after root p under the draft model's logits
+        at the token before it, NOT_DRAFTED past the text; mass float64[P, depth, 1]: the chance a sampled round
+        keeps that level, 0 past the text).
+    """
+    toks = np.asarray(tokens, np.int64)  # [R, S]
+    r, s = toks.shape
+    lengths = np.asarray(lengths)  # [R]
+    ranks = np.full((r, s, depth), NOT_DRAFTED, np.int64)  # [R, S, depth]
+    mass = np.zeros((r, s, depth, 0 if temperature is None else 1))  # [R, S, depth, 1 or 0]
+    for row in range(r):  # one row at a time: [S, V] logits at most
+        row_tokens = jnp.asarray(toks[row: row + 1], jnp.int32)  # [1, S]
+        draft = _target_vocabulary(_all_logits(draft_weights, draft_cfg, row_tokens)[0], target_cfg.vocab_size)
+        following = np.zeros(s, np.int64)  # [S]: column t's next token, the one its logits draft
+        following[: s - 1] = toks[row, 1:]
+        own = jnp.take_along_axis(draft, jnp.asarray(following)[:, None], axis=-1)  # [S, 1]
+        column_rank = np.asarray((draft > own).sum(-1))  # [S]
+        has_next = np.arange(s) + 1 < lengths[row]  # [S]
+        column_rank = np.where(has_next, column_rank, NOT_DRAFTED)
+        if temperature is not None:
+            target = _all_logits(target_weights, target_cfg, row_tokens)[0]  # [S, V]
+            p = jax.nn.softmax(target.astype(jnp.float32) / temperature, axis=-1)  # [S, V]
+            q = jax.nn.softmax(draft.astype(jnp.float32) / temperature, axis=-1)  # [S, V]
+            column_kept = np.where(has_next, np.asarray(jnp.minimum(p, q).sum(-1)), 0.0)  # [S]
+        for j in range(depth):  # a round rooted at column t drafts its level j + 1 from column t + j
+            ranks[row, : s - j, j] = column_rank[j:]
+            if temperature is not None:
+                mass[row, : s - j, j, 0] = column_kept[j:]
+    # the first round's root is the first generated token (index response_start); a root needs a token after it
+    cols = np.arange(s)[None, :]
+    measured = (cols >= np.asarray(response_starts)[:, None]) & (cols + 1 < lengths[:, None])
+    return ranks[measured], mass[measured]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _all_logits(weights: Weights, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """tokens: int32[R, S] -> float32[R, S, V] the model's logits at every position (no cache)."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)  # [R, S]
+    return forward(weights, cfg, tokens, positions).logits.astype(jnp.float32)
+
+
+def _target_vocabulary(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., Vd] -> [..., V]: a draft model's logits over the target's ids, -inf where the draft model has none."""
+    extra = vocab_size - logits.shape[-1]
+    if extra >= 0:
+        return jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, extra)], constant_values=-jnp.inf)
+    return logits[..., :vocab_size]
