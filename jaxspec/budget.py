@@ -326,11 +326,12 @@ def forward_code_digest() -> str:
     for name in FORWARD_MODULES:
         with open(importlib.import_module(f"jaxspec.{name}").__file__, "rb") as f:
             digest.update(f.read())
-    from jaxspec.kernels import small_product_columns, source_digest
+    from jaxspec.kernels import small_product_columns, source_digest, tiled_columns
 
     digest.update(source_digest().encode())  # the C++ kernel's source (jaxspec/kernels/small_product.cc)
-    if jax.default_backend() == "cpu":  # and where the per-layer forward uses it
+    if jax.default_backend() == "cpu":  # and where the per-layer forward uses it, and which of its loops
         digest.update(repr(sorted(small_product_columns())).encode())
+        digest.update(repr(sorted(tiled_columns())).encode())
     return digest.hexdigest()[:16]
 
 

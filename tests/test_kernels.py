@@ -18,17 +18,19 @@ def _kernel_or_skip():
 
 @pytest.mark.parametrize("out,inner", [(7, 13), (64, 576), (131, 1539)])
 def test_the_kernel_computes_w_times_x_for_1_to_16_columns(out, inner):
-    """Odd row counts and inner sizes that are not a multiple of 8 (the vector loop's tail) included."""
+    """By its one-row loop and by its 4-row tiles; odd row counts (the tiles' last rows) and inner sizes that are not
+    a multiple of 8 (the vector loop's tail) included."""
     _kernel_or_skip()
     rng = np.random.default_rng(out)
     w = rng.standard_normal((out, inner), np.float32)  # [out, in]
-    product = jax.jit(kernels.kernel_product)
+    product = jax.jit(kernels.kernel_product, static_argnums=2)
     for n in range(1, kernels.MAX_COLUMNS + 1):
         x = rng.standard_normal((inner, n), np.float32)  # [in, N]
-        got = np.asarray(product(jnp.asarray(w), jnp.asarray(x)))  # [out, N]
         want = w.astype(np.float64) @ x.astype(np.float64)
-        assert got.shape == (out, n)
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(inner) * np.abs(want).max())
+        for tiles in (False, True):
+            got = np.asarray(product(jnp.asarray(w), jnp.asarray(x), tiles))  # [out, N]
+            assert got.shape == (out, n)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(inner) * np.abs(want).max())
 
 
 @pytest.mark.parametrize("out,inner", [(7, 13), (64, 576), (131, 1539)])
@@ -40,14 +42,16 @@ def test_the_bfloat16_product_equals_the_float32_kernel_on_its_widened_matrix_bi
     rng = np.random.default_rng(out)
     w = jnp.asarray(rng.standard_normal((out, inner), np.float32), jnp.bfloat16)  # [out, in]
     widened = w.astype(jnp.float32)  # [out, in], the same values
-    half, full = jax.jit(kernels.bf16_product), jax.jit(kernels.kernel_product)
+    half = jax.jit(kernels.bf16_product, static_argnums=2)
+    full = jax.jit(kernels.kernel_product, static_argnums=2)
     for n in range(1, kernels.MAX_COLUMNS + 1):
         x = jnp.asarray(rng.standard_normal((inner, n), np.float32))  # [in, N]
-        got = np.asarray(half(w, x))  # [out, N]
-        assert got.dtype == np.float32 and got.shape == (out, n)
-        np.testing.assert_array_equal(got, np.asarray(full(widened, x)))
         want = np.asarray(widened, np.float64) @ np.asarray(x, np.float64)
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(inner) * np.abs(want).max())
+        for tiles in (False, True):
+            got = np.asarray(half(w, x, tiles))  # [out, N]
+            assert got.dtype == np.float32 and got.shape == (out, n)
+            np.testing.assert_array_equal(got, np.asarray(full(widened, x, tiles)))
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.sqrt(inner) * np.abs(want).max())
 
 
 @pytest.mark.parametrize("vocab,d", [(131, 70), (66, 20), (1000, 576)])
@@ -74,11 +78,16 @@ def test_the_greedy_head_kernel_gives_the_float32_argmax_for_1_to_16_positions(v
         np.testing.assert_array_equal(got[clear], np.argmax(logits, axis=1)[clear])
 
 
-def _custom_calls(columns: int, dtype=jnp.float32, target: str = kernels.TARGET_NAME) -> int:
+def _custom_calls(columns: int, dtype=jnp.float32, target: str = kernels.TARGET_NAME, tiles: bool | None = None) -> int:
+    """How many calls of the kernel `target` a product over `columns` columns lowers to (with `tiles`: only those
+    that run its tiles, or with False its one-row loop)."""
     w = jnp.ones((32, 16), dtype)  # [out, in]
     x = jnp.ones((16, columns), jnp.float32)  # [in, N]
     traced = jax.jit(lambda w, x: kernels.feature_major_product(w, x))  # a new function: traced afresh
-    return traced.lower(w, x).as_text().count(target)
+    lines = [line for line in traced.lower(w, x).as_text().splitlines() if target in line]
+    if tiles is not None:
+        lines = [line for line in lines if f"tiles = {int(tiles)} : i32" in line]
+    return len(lines)
 
 
 def test_feature_major_products_use_the_kernel_for_the_columns_chosen(monkeypatch):
@@ -89,15 +98,19 @@ def test_feature_major_products_use_the_kernel_for_the_columns_chosen(monkeypatc
         for setting, served in [("16", range(1, 17)), ("3", range(1, 4)), ("off", ())]:
             monkeypatch.setenv(kernels.ENV, setting)
             kernels.small_product_columns.cache_clear()
+            kernels.tiled_columns.cache_clear()
             for n in range(1, 19):
                 assert _custom_calls(n) == (1 if n in served else 0), (setting, n)
                 assert _custom_calls(n, jnp.bfloat16, kernels.BF16_PRODUCT_TARGET_NAME) == (1 if n in served else 0)
+                # columns given by hand: the tiles from 9 on (DEFAULT_TILED)
+                assert _custom_calls(n, tiles=True) == (1 if n in served and n >= 9 else 0), (setting, n)
         monkeypatch.setenv(kernels.ENV, "seventeen")
         kernels.small_product_columns.cache_clear()
         with pytest.raises(UserError, match="column count from 1 to 16"):
             kernels.small_product_columns()
     finally:
         kernels.small_product_columns.cache_clear()
+        kernels.tiled_columns.cache_clear()
 
 
 @pytest.mark.parametrize("one_column", [(24.0, 21.5), (21.5, 24.0)])
@@ -109,11 +122,12 @@ def test_the_columns_are_measured_once_and_cached(monkeypatch, tmp_path, one_col
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(kernels.ENV, "auto")
     calls = []
-    chain = {2: (3.0, 2.0), 3: (3.0, 2.5), 4: (3.0, 3.5), 5: (3.0, 1.0)}  # n -> (xla, kernel) seconds
+    # n -> (xla, the kernel's one-row loop, its tiles) seconds
+    chain = {2: (3.0, 2.0, 2.2), 3: (3.0, 2.5, 2.4), 4: (3.0, 3.5, 3.2), 5: (3.0, 1.0, 1.1), 6: (3.0, 3.5, 2.0)}
 
     def fake_time_chains(matrices, columns, repeats=7):
         calls.append(columns)
-        return chain.get(columns, (1.0, 2.0))
+        return chain.get(columns, (1.0, 2.0, 2.5))
 
     def fake_time_decoding_steps():
         calls.append("step")
@@ -121,15 +135,23 @@ def test_the_columns_are_measured_once_and_cached(monkeypatch, tmp_path, one_col
 
     monkeypatch.setattr(kernels, "_time_chains", fake_time_chains)
     monkeypatch.setattr(kernels, "_time_decoding_steps", fake_time_decoding_steps)
-    expected = {2, 3, 5} | ({1} if one_column[1] < one_column[0] else set())  # slower at 4 and from 6 on
+    # slower at 4 (by either loop) and from 7 on; at 6 by its tiles alone
+    expected = {2, 3, 5, 6} | ({1} if one_column[1] < one_column[0] else set())
     try:
         kernels.small_product_columns.cache_clear()
+        kernels.tiled_columns.cache_clear()
         assert kernels.small_product_columns() == expected
+        assert kernels.tiled_columns() == {3, 6}  # where the tiles beat the one-row loop, of the columns served
         assert calls == ["step", *range(2, kernels.MAX_COLUMNS + 1)]
         kernels.small_product_columns.cache_clear()
+        kernels.tiled_columns.cache_clear()
         assert kernels.small_product_columns() == expected and len(calls) == kernels.MAX_COLUMNS  # the file
+        assert kernels.tiled_columns() == {3, 6}
+        assert _custom_calls(6, tiles=True) == 1 and _custom_calls(5, tiles=False) == 1  # the forward follows them
+        assert _custom_calls(6, jnp.bfloat16, kernels.BF16_PRODUCT_TARGET_NAME, tiles=True) == 1
     finally:
         kernels.small_product_columns.cache_clear()
+        kernels.tiled_columns.cache_clear()
 
 
 def test_the_one_column_probe_traces_each_variant_with_its_own_columns(monkeypatch):

@@ -26,6 +26,7 @@ import ctypes
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -51,7 +52,10 @@ ATTENTION_TARGET_NAME = "jaxspec_cache_attention"
 GREEDY_HEAD_TARGET_NAME = "jaxspec_greedy_head"
 SAMPLED_HEAD_TARGET_NAME = "jaxspec_sampled_head"
 BF16_PRODUCT_TARGET_NAME = "jaxspec_bf16_product"
-MEASUREMENT = "steps1"  # how `measure_columns` decides (part of its cache file's name: a new way measures again)
+MEASUREMENT = "tiles1"  # how `measure_columns` decides (part of its cache file's name: a new way measures again)
+# The column counts at which the kernel runs its 4-row tiles where they are not measured ($JAXSPEC_SMALL_PRODUCT
+# given): from 9 on, where they won on both 2-core machines (`tiled_columns`)
+DEFAULT_TILED = frozenset(range(9, MAX_COLUMNS + 1))
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -126,18 +130,21 @@ def load_kernel() -> str | None:
     return None
 
 
-def kernel_product(w: jax.Array, x: jax.Array) -> jax.Array:
-    """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 16 -> f32[out, N]."""
+def kernel_product(w: jax.Array, x: jax.Array, tiles: bool = False) -> jax.Array:
+    """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 16 -> f32[out, N].
+    tiles: by its 4-row tiles (on AVX-512 CPUs; elsewhere the one-row loop runs either way) instead of its one-row
+    loop: the same sums in another order, the faster one per column count measured once per machine
+    (`tiled_columns`)."""
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(w, x)
+    return jax.ffi.ffi_call(TARGET_NAME, out, vmap_method="sequential")(w, x, tiles=np.int32(tiles))
 
 
-def bf16_product(w: jax.Array, x: jax.Array) -> jax.Array:
+def bf16_product(w: jax.Array, x: jax.Array, tiles: bool = False) -> jax.Array:
     """w @ x by the kernel (which must be loaded) from a bfloat16 matrix: w bf16[out, in], x f32[in, N] with
-    1 <= N <= 16 -> f32[out, N], bit for bit `kernel_product(w.astype(float32), x)` (the weights are widened exactly in
-    registers and summed in the same order), reading half the bytes."""
+    1 <= N <= 16 -> f32[out, N], bit for bit `kernel_product(w.astype(float32), x, tiles)` (the weights are widened
+    exactly in registers and summed in the same order), reading half the bytes."""
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call(BF16_PRODUCT_TARGET_NAME, out, vmap_method="sequential")(w, x)
+    return jax.ffi.ffi_call(BF16_PRODUCT_TARGET_NAME, out, vmap_method="sequential")(w, x, tiles=np.int32(tiles))
 
 
 def greedy_head(screen: jax.Array, rows: jax.Array, h: jax.Array, error: jax.Array,
@@ -152,9 +159,10 @@ def greedy_head(screen: jax.Array, rows: jax.Array, h: jax.Array, error: jax.Arr
     return jax.ffi.ffi_call(SAMPLED_HEAD_TARGET_NAME, out, vmap_method="sequential")(screen, rows, h, error, noise)
 
 
-def _time_chains(matrices, columns: int, repeats: int = 7) -> tuple[float, float]:
+def _time_chains(matrices, columns: int, repeats: int = 7) -> tuple[float, float, float]:
     """Best seconds of one jitted pass over `matrices` (each [out, in], alternating shapes) with `columns` columns, by
-    XLA's product and by the kernel, timed in turn (a shared host drifts between two separate timings)."""
+    XLA's product, by the kernel's one-row loop and by its tiles, timed in turn (a shared host drifts between
+    separate timings)."""
     x = jnp.ones((matrices[0].shape[1], columns), jnp.float32) * 1e-3  # [in, N]
 
     def chain(product):
@@ -164,16 +172,16 @@ def _time_chains(matrices, columns: int, repeats: int = 7) -> tuple[float, float
             return x
         return jax.jit(run)
 
-    runs = [chain(jnp.matmul), chain(kernel_product)]
+    runs = [chain(jnp.matmul), chain(kernel_product), chain(functools.partial(kernel_product, tiles=True))]
     for run in runs:
         jax.block_until_ready(run(matrices, x))
-    best = [float("inf"), float("inf")]
+    best = [float("inf")] * len(runs)
     for _ in range(repeats):
         for i, run in enumerate(runs):
             start = time.perf_counter()
             jax.block_until_ready(run(matrices, x))
             best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
+    return best[0], best[1], best[2]
 
 
 # The model whose decoding step `_time_decoding_steps` times: SmolLM2-135M's shape (the default target), random weights
@@ -230,22 +238,30 @@ def _time_decoding_steps(steps: int = 17, repeats: int = 3) -> tuple[float, floa
 
 def measure_columns(d: int = 576, f: int = 1536, layers: int = 12) -> dict:
     """Times XLA's product and the kernel for 1..16 columns: 2-16 on `layers` pairs of [f, d] / [d, f] matrices (85
-    MB at the defaults: more than most CPUs' caches, as a model's weights are), one column on whole decoding steps
-    (`_time_decoding_steps`). Returns {"columns": the counts at which the kernel was faster, "seconds": {N: {"xla":
-    s, "kernel": s}}} (at one column the seconds of a step). (XLA's library product is uneven: on the 2-core EPYC it
-    was as fast as the kernel at 8 and 16 columns and 2.5x slower at 9-15.)"""
+    MB at the defaults: more than most CPUs' caches, as a model's weights are), by the kernel's one-row loop and by
+    its 4-row tiles, one column on whole decoding steps (`_time_decoding_steps`). Returns {"columns": the counts at
+    which the kernel (the faster of its two loops) was faster than XLA, "tiled": those of them at which its tiles were
+    the faster loop, "seconds": {N: {"xla": s, "kernel": s, "tiled": s}}} (at one column the seconds of a step, no
+    tiles). (XLA's library product is uneven: on the 2-core EPYC it was as fast as the kernel at 8 and 16 columns and
+    2.5x slower at 9-15. The tiles' gain depends on the CPU: on the 2-core Xeon the one-row loop was the faster below 8
+    columns; on the 2-core EPYC the tiles were 15-35% faster from 5 columns on.)"""
     rng = np.random.default_rng(0)
     matrices = []
     for _ in range(layers):
         matrices.append(jnp.asarray(rng.standard_normal((f, d), np.float32) * 0.02))  # [f, d]
         matrices.append(jnp.asarray(rng.standard_normal((d, f), np.float32) * 0.02))  # [d, f]
-    seconds, columns = {}, []
+    seconds, columns, tiled = {}, [], []
     for n in range(1, MAX_COLUMNS + 1):
-        xla, kernel = _time_decoding_steps() if n == 1 else _time_chains(matrices, n)
-        seconds[str(n)] = {"xla": xla, "kernel": kernel}
-        if kernel < xla:
+        if n == 1:
+            seconds["1"] = dict(zip(("xla", "kernel"), _time_decoding_steps()))
+        else:
+            seconds[str(n)] = dict(zip(("xla", "kernel", "tiled"), _time_chains(matrices, n)))
+        times = seconds[str(n)]
+        if min(times["kernel"], times.get("tiled", math.inf)) < times["xla"]:
             columns.append(n)
-    return {"columns": columns, "seconds": seconds}
+            if times.get("tiled", math.inf) < times["kernel"]:
+                tiled.append(n)
+    return {"columns": columns, "tiled": tiled, "seconds": seconds}
 
 
 def _setting() -> str:
@@ -265,7 +281,6 @@ def small_product_columns() -> frozenset[int]:
     """The column counts at which `feature_major_product` runs the kernel in this process: from
     $JAXSPEC_SMALL_PRODUCT when set ("off": none, N: 1 to N), else measured once per machine (`measure_columns`) and
     cached as JSON in `cache_folder()`."""
-    from jaxspec.budget import cache_folder
     from jaxspec.errors import UserError
 
     setting = _setting()
@@ -283,7 +298,7 @@ def small_product_columns() -> frozenset[int]:
         return frozenset()
     if setting != "auto":
         return frozenset(range(1, columns + 1))
-    path = os.path.join(cache_folder(), f"small-product-{MEASUREMENT}-{source_digest()}.json")
+    path = _measurement_path()
     try:
         with open(path) as f:
             return frozenset(int(n) for n in json.load(f)["columns"])
@@ -301,6 +316,37 @@ def small_product_columns() -> frozenset[int]:
     return frozenset(measured["columns"])
 
 
+def _measurement_path() -> str:
+    """The JSON file of this machine's `measure_columns` (in `jaxspec.budget.cache_folder()`)."""
+    from jaxspec.budget import cache_folder
+
+    return os.path.join(cache_folder(), f"small-product-{MEASUREMENT}-{source_digest()}.json")
+
+
+@functools.cache
+def tiled_columns() -> frozenset[int]:
+    """The column counts at which the kernel runs its 4-row tiles rather than its one-row loop (where the CPU has
+    AVX-512): measured with the columns (`measure_columns`: the faster of the two per column count), DEFAULT_TILED
+    where $JAXSPEC_SMALL_PRODUCT gives the columns (or the measurement has none)."""
+    columns = small_product_columns()
+    if _setting() == "auto" and columns:
+        try:
+            with open(_measurement_path()) as f:
+                return frozenset(int(n) for n in json.load(f)["tiled"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return DEFAULT_TILED & columns
+
+
+def _served_tiles(columns: int) -> bool:
+    """Whether the kernel's product over `columns` columns runs its tiles in the forward being traced (never one
+    column; while `_time_decoding_steps` traces, whose steps are one column, DEFAULT_TILED, not the measurement in
+    progress)."""
+    if columns == 1:
+        return False
+    return columns in (DEFAULT_TILED if getattr(_tracing, "columns", None) is not None else tiled_columns())
+
+
 def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
     """w @ x for a feature-major layer on CPU: w [out, in], x [in, N] -> [out, N]. By the kernel for float32 and N
     in `small_product_columns()` (measured: on the Xeon one column too, where the AVX-512 loop beats XLA's
@@ -310,11 +356,11 @@ def feature_major_product(w: jax.Array, x: jax.Array) -> jax.Array:
     n = x.shape[1]
     if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32:
         if 1 <= n <= MAX_COLUMNS and jax.default_backend() == "cpu" and n in _served_columns():
-            return bf16_product(w, x)
+            return bf16_product(w, x, _served_tiles(n))
         return w.astype(jnp.float32) @ x
     if (1 <= n <= MAX_COLUMNS and w.dtype == jnp.float32 and x.dtype == jnp.float32
             and jax.default_backend() == "cpu" and n in _served_columns()):
-        return kernel_product(w, x)
+        return kernel_product(w, x, _served_tiles(n))
     return w @ x
 
 

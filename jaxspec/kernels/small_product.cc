@@ -136,10 +136,10 @@ template <typename W>
 constexpr TileKernel<W> kTileKernels[kTileColumns + 1] = {
     nullptr, tile_512<W, kTileRows, 1>, tile_512<W, kTileRows, 2>, tile_512<W, kTileRows, 3>,
     tile_512<W, kTileRows, 4>, tile_512<W, kTileRows, 5>, tile_512<W, kTileRows, 6>};
-// Below 9 columns the one-row loop stays: over the model's own matrices (425 MB, streamed from memory) it is the
-// faster at 2-7 columns (5 columns: 15.3 against 16.2 ms for SmolLM2's 120 products) and level at 8, though the
-// tiles win at 3-8 where the matrices fit the cache (docs/cpu-performance.md, seventeenth pass).
-constexpr int kTileMinColumns = 9;
+// Which of the two loops runs is the caller's `tiles` (jaxspec.kernels.tiled_columns, measured once per machine):
+// on the 2-core Xeon the one-row loop was the faster at 2-7 columns over the model's own matrices (425 MB,
+// streamed from memory; 5 columns: 15.3 against 16.2 ms for SmolLM2's 120 products) and level at 8, the tiles from
+// 9 on (docs/cpu-performance.md, seventeenth pass); on the 2-core EPYC the tiles win from 3 or 5 columns (twentieth).
 
 template <typename W>
 using RowKernel = void (*)(const W*, const float*, float*, int64_t, bool);
@@ -158,12 +158,12 @@ constexpr RowKernel<W> kRowKernels512[kGroup512 + 1] = {
     row_times_columns_512<W, 16>};
 
 // y[o, :] for o in [o0, o1): each row read from memory once, its columns in passes of up to 8 (the second pass
-// reads the row from L1); with AVX-512 in one pass of up to 16 below kTileMinColumns columns, and in tiles of
-// kTileRows rows from there on (the columns in near-equal groups of at most kTileColumns, later groups reading the
-// tile's rows from L1 or L2).
+// reads the row from L1); with AVX-512 in one pass of up to 16, or with `tiles` in tiles of kTileRows rows (the
+// columns in near-equal groups of at most kTileColumns, later groups reading the tile's rows from L1 or L2).
 template <typename W>
-void rows_times_columns(const W* w, const float* xr, float* y, int64_t in, int64_t columns, int64_t o0, int64_t o1) {
-  if (kHasAvx512 && columns >= kTileMinColumns) {
+void rows_times_columns(const W* w, const float* xr, float* y, int64_t in, int64_t columns, int64_t o0, int64_t o1,
+                        bool tiles) {
+  if (kHasAvx512 && tiles) {
     const int64_t groups = (columns + kTileColumns - 1) / kTileColumns;
     for (int64_t o = o0; o < o1;) {
       const int64_t rows = o + kTileRows <= o1 ? kTileRows : 1;
@@ -195,6 +195,7 @@ void rows_times_columns(const W* w, const float* xr, float* y, int64_t in, int64
 template <typename W>
 struct Work {
   int64_t columns;
+  bool tiles;
   const W* w;
   const float* xr;
   float* y;
@@ -204,16 +205,17 @@ struct Work {
   void run() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
       const int64_t o0 = c * kChunkRows, o1 = std::min(out, o0 + kChunkRows);
-      rows_times_columns(w, xr, y, in, columns, o0, o1);
+      rows_times_columns(w, xr, y, in, columns, o0, o1, tiles);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-// y = w @ x with w [out, in] (float32 or bfloat16 as uint16_t), x [in, N], y [out, N]; `name` for the messages.
+// y = w @ x with w [out, in] (float32 or bfloat16 as uint16_t), x [in, N], y [out, N]; tiles: the 4-row tiles
+// (AVX-512 only; else the one-row loop); `name` for the messages.
 template <typename W>
 ffi::Error product(ffi::ThreadPool& pool, const W* w, ffi::Span<const int64_t> w_dims, const float* xd,
-                   ffi::Span<const int64_t> x_dims, float* y, const char* name) {
+                   ffi::Span<const int64_t> x_dims, float* y, bool tiles, const char* name) {
   if (w_dims.size() != 2 || x_dims.size() != 2 || w_dims[1] != x_dims[0]) {
     return ffi::Error::InvalidArgument(std::string(name) + ": expects w [out, in] and x [in, N]");
   }
@@ -229,6 +231,7 @@ ffi::Error product(ffi::ThreadPool& pool, const W* w, ffi::Span<const int64_t> w
     for (int64_t n = 0; n < columns; ++n) xr.get()[n * in + i] = xd[i * columns + n];
   auto work = std::make_shared<Work<W>>();
   work->columns = columns;
+  work->tiles = tiles;
   work->w = w;
   work->xr = xr.get();
   work->y = y;
@@ -241,15 +244,15 @@ ffi::Error product(ffi::ThreadPool& pool, const W* w, ffi::Span<const int64_t> w
 }
 
 ffi::Error SmallProduct(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  return product(pool, w.typed_data(), w.dimensions(), x.typed_data(), x.dimensions(), y->typed_data(),
+                        ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
+  return product(pool, w.typed_data(), w.dimensions(), x.typed_data(), x.dimensions(), y->typed_data(), tiles != 0,
                  "jaxspec_small_product");
 }
 
 ffi::Error Bf16Product(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> x,
-                       ffi::ResultBuffer<ffi::F32> y) {
+                       ffi::ResultBuffer<ffi::F32> y, int32_t tiles) {
   return product(pool, reinterpret_cast<const uint16_t*>(w.untyped_data()), w.dimensions(), x.typed_data(),
-                 x.dimensions(), y->typed_data(), "jaxspec_bf16_product");
+                 x.dimensions(), y->typed_data(), tiles != 0, "jaxspec_bf16_product");
 }
 
 }  // namespace
@@ -259,11 +262,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecSmallProduct, SmallProduct,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("tiles"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecBf16Product, Bf16Product,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("tiles"));
