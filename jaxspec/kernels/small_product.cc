@@ -100,9 +100,11 @@ __attribute__((target("avx512f"))) void row_times_columns_512(const W* wo, const
 // loop does, was slower here: 4 rows of 576 floats lie within 9 KB). On the 2-core Xeon, over SmolLM2's per-layer
 // matrices (docs/cpu-performance.md, seventeenth pass): 10% faster than the one-row loop at 10-12 columns, and at 16
 // faster than XLA's product, which ran 16 columns before: batch-16 decoding gains 11%. y is [out, columns]
-// row-major: the tile writes y[r * columns + g].
-constexpr int kTileRows = 4;
-constexpr int kTileColumns = 6;  // 24 accumulators, 4 weight registers and one column register of the 32
+// row-major: the tile writes y[r * columns + g]. 3 rows x 8 columns since the twentieth pass: on the 2-core EPYC,
+// over matrices streamed from memory, 10-25% faster than 4 x 6 at 5-8 and 12-16 columns (16 = 8 + 8, two passes
+// over the rows instead of three), level at 3; on the Xeon's cached matrices the shapes had run within 10%.
+constexpr int kTileRows = 3;
+constexpr int kTileColumns = 8;  // 24 accumulators, 3 weight registers and one column register of the 32  // 24 accumulators, 4 weight registers and one column register of the 32
 template <typename W, int R, int G>
 __attribute__((target("avx512f"))) void tile_512(const W* w, const float* xr, float* y, int64_t in, int64_t columns,
                                                  bool prefetch) {
@@ -135,7 +137,8 @@ using TileKernel = void (*)(const W*, const float*, float*, int64_t, int64_t, bo
 template <typename W>
 constexpr TileKernel<W> kTileKernels[kTileColumns + 1] = {
     nullptr, tile_512<W, kTileRows, 1>, tile_512<W, kTileRows, 2>, tile_512<W, kTileRows, 3>,
-    tile_512<W, kTileRows, 4>, tile_512<W, kTileRows, 5>, tile_512<W, kTileRows, 6>};
+    tile_512<W, kTileRows, 4>, tile_512<W, kTileRows, 5>, tile_512<W, kTileRows, 6>, tile_512<W, kTileRows, 7>,
+    tile_512<W, kTileRows, 8>};
 // Which of the two loops runs is the caller's `tiles` (jaxspec.kernels.tiled_columns, measured once per machine):
 // on the 2-core Xeon the one-row loop was the faster at 2-7 columns over the model's own matrices (425 MB,
 // streamed from memory; 5 columns: 15.3 against 16.2 ms for SmolLM2's 120 products) and level at 8, the tiles from
