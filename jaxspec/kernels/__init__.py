@@ -53,7 +53,7 @@ GREEDY_HEAD_TARGET_NAME = "jaxspec_greedy_head"
 SAMPLED_HEAD_TARGET_NAME = "jaxspec_sampled_head"
 BF16_PRODUCT_TARGET_NAME = "jaxspec_bf16_product"
 MEASUREMENT = "tiles1"  # how `measure_columns` decides (part of its cache file's name: a new way measures again)
-# The column counts at which the kernel runs its 4-row tiles where they are not measured ($JAXSPEC_SMALL_PRODUCT
+# The column counts at which the kernel runs its 3-row tiles where they are not measured ($JAXSPEC_SMALL_PRODUCT
 # given): from 9 on, where they won on both 2-core machines (`tiled_columns`)
 DEFAULT_TILED = frozenset(range(9, MAX_COLUMNS + 1))
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -132,7 +132,7 @@ def load_kernel() -> str | None:
 
 def kernel_product(w: jax.Array, x: jax.Array, tiles: bool = False) -> jax.Array:
     """w @ x by the kernel (which must be loaded): w f32[out, in], x f32[in, N] with 1 <= N <= 16 -> f32[out, N].
-    tiles: by its 4-row tiles (on AVX-512 CPUs; elsewhere the one-row loop runs either way) instead of its one-row
+    tiles: by its 3-row tiles (on AVX-512 CPUs; elsewhere the one-row loop runs either way) instead of its one-row
     loop: the same sums in another order, the faster one per column count measured once per machine
     (`tiled_columns`)."""
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
@@ -239,7 +239,7 @@ def _time_decoding_steps(steps: int = 17, repeats: int = 3) -> tuple[float, floa
 def measure_columns(d: int = 576, f: int = 1536, layers: int = 12) -> dict:
     """Times XLA's product and the kernel for 1..16 columns: 2-16 on `layers` pairs of [f, d] / [d, f] matrices (85
     MB at the defaults: more than most CPUs' caches, as a model's weights are), by the kernel's one-row loop and by
-    its 4-row tiles, one column on whole decoding steps (`_time_decoding_steps`). Returns {"columns": the counts at
+    its 3-row tiles, one column on whole decoding steps (`_time_decoding_steps`). Returns {"columns": the counts at
     which the kernel (the faster of its two loops) was faster than XLA, "tiled": those of them at which its tiles were
     the faster loop, "seconds": {N: {"xla": s, "kernel": s, "tiled": s}}} (at one column the seconds of a step, no
     tiles). (XLA's library product is uneven: on the 2-core EPYC it was as fast as the kernel at 8 and 16 columns and
@@ -325,7 +325,7 @@ def _measurement_path() -> str:
 
 @functools.cache
 def tiled_columns() -> frozenset[int]:
-    """The column counts at which the kernel runs its 4-row tiles rather than its one-row loop (where the CPU has
+    """The column counts at which the kernel runs its 3-row tiles rather than its one-row loop (where the CPU has
     AVX-512): measured with the columns (`measure_columns`: the faster of the two per column count), DEFAULT_TILED
     where $JAXSPEC_SMALL_PRODUCT gives the columns (or the measurement has none)."""
     columns = small_product_columns()

@@ -214,7 +214,7 @@ struct Work {
   }
 };
 
-// y = w @ x with w [out, in] (float32 or bfloat16 as uint16_t), x [in, N], y [out, N]; tiles: the 4-row tiles
+// y = w @ x with w [out, in] (float32 or bfloat16 as uint16_t), x [in, N], y [out, N]; tiles: the 3-row tiles
 // (AVX-512 only; else the one-row loop); `name` for the messages.
 template <typename W>
 ffi::Error product(ffi::ThreadPool& pool, const W* w, ffi::Span<const int64_t> w_dims, const float* xd,
