@@ -357,19 +357,14 @@ def check_method_options(name: str, options: MethodOptions) -> None:
             "The draft-model method needs --draft-model (a known name, .gguf file or Hugging Face folder of a smaller "
             "model with the target's tokenizer)."
         )
-    if spec.auto == "chain" and options.budget not in (None, "auto"):
-        raise UserError(f"{name} takes --budget auto (the default: the chain's length chosen for this device) or its "
-                        "chain by hand with --num-draft-tokens (and --tree-width), not a number.")
-    if spec.auto == "chain" and options.budget == "auto" and options.tree_by_hand:
-        raise UserError(f"{name}: give either --budget auto or the chain by hand (--num-draft-tokens, --tree-width), "
-                        "not both.")
-    if spec.auto == "tree":
+    if spec.auto in ("tree", "chain"):  # an EAGLE tree or a draft model's chain: auto, or the round by hand
+        flags = ("--num-draft-tokens, --tree-width, --tree-nodes, --lookup-tokens" if spec.auto == "tree"
+                 else "--num-draft-tokens, --tree-width")
         if options.budget not in (None, "auto"):
-            raise UserError(f"{name} takes --budget auto (the default) or its tree by hand with --num-draft-tokens, "
-                            "--tree-width, --tree-nodes and --lookup-tokens, not a number.")
+            raise UserError(f"{name} takes --budget auto (the default: its {spec.auto} chosen for this device) or its "
+                            f"{spec.auto} by hand with {flags}, not a number.")
         if options.budget == "auto" and options.tree_by_hand:
-            raise UserError(f"{name}: give either --budget auto or the tree by hand (--num-draft-tokens, --tree-width, "
-                            "--tree-nodes, --lookup-tokens), not both.")
+            raise UserError(f"{name}: give either --budget auto or the {spec.auto} by hand ({flags}), not both.")
 
 
 def _build_method(name: str, target: LoadedModel, options: MethodOptions) -> Method:
@@ -402,6 +397,12 @@ def _draft_model(name_or_path: str, dtype) -> LoadedModel:
     return _LAST_DRAFT_MODEL[key]
 
 
+def _sized_automatically(options: MethodOptions, by_hand: bool) -> bool:
+    """Whether --budget auto sizes the rounds: given, or the default on one device where the round (tree, chain or
+    budget) is not given by hand."""
+    return options.budget == "auto" or (options.mesh is None and options.budget is None and not by_hand)
+
+
 def _build_training_free(spec: MethodSpec, target: LoadedModel, options: MethodOptions) -> Method:
     """draft-model, prompt-lookup, early-exit: chains (or top-W trees) from a model or the text, no training."""
     from jaxspec.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
@@ -424,7 +425,7 @@ def _build_training_free(spec: MethodSpec, target: LoadedModel, options: MethodO
     drafter.check_compatible(draft.weights, target.config, target.tokenizer, draft.tokenizer)
     # --budget auto, the default on one device unless the chain is given by hand: the chain's length from the
     # device's cost model and the draft model's measured acceptance along the target's own answers
-    if options.budget == "auto" or (options.mesh is None and options.budget is None and not options.tree_by_hand):
+    if _sized_automatically(options, options.tree_by_hand):
         from jaxspec.budget import CHAIN_TOKEN_COUNTS, load_or_measure_cost_model
 
         # batch 1 now; other batch sizes when they are first used (Method.auto_tree)
@@ -446,8 +447,7 @@ def _build_learned(spec: MethodSpec, target: LoadedModel, options: MethodOptions
     cost_model = tree_ranks = lookup_runs = lookup_valid = draft_mass = sampled_text = None
     # --budget auto is the default of every tree method on one device: the EAGLE trees unless given by hand, the
     # block heads' budgets unless given
-    auto = options.budget == "auto" or (options.mesh is None and options.budget is None and (
-        (dynamic_tree and not options.tree_by_hand) or spec.auto == "budget"))
+    auto = _sized_automatically(options, options.tree_by_hand if dynamic_tree else spec.auto != "budget")
     static_tree = getattr(drafter, "choices", None) is not None  # a checkpoint with a fixed EAGLE-1 tree
     if dynamic_tree and options.budget == "auto" and static_tree:
         raise UserError(f"This {name} drafter drafts a fixed tree (its drafter.tree_choices); --budget auto sizes "
@@ -912,24 +912,17 @@ def _measure_draft_ranks(target: LoadedModel, drafter, params):
     from jaxspec.drafters.eagle import draft_statistics
     from jaxspec.drafters.prompt_lookup import lookup_statistics
 
-    prompts = _calibration_prompts(target)
-    starts = np.array([len(p) for p in prompts])  # [R]
-
-    def text(sampling: SamplingConfig):  # (tokens [R, S], lengths [R]): the prompts and the target's answers
-        tokens, lengths, _ = _calibration_text(target, sampling)
-        return tokens, lengths
-
-    def statistics(tokens, lengths, top_k: int):
+    def statistics(tokens, lengths, starts, top_k: int):
         return draft_statistics(params, target.weights, target.config, drafter.target_layers, tokens, lengths,
                                 starts, CALIBRATION_DEPTH, top_k, head_cfg=drafter.head_config(target.config))
 
-    def lookup(tokens, lengths):  # (runs, valid) [P] each
+    def lookup(tokens, lengths, starts):  # (runs, valid) [P] each
         return lookup_statistics(tokens, lengths, starts, CALIBRATION_LOOKUP, CALIBRATION_NGRAM)
 
-    tokens, lengths = text(GREEDY)
-    ranks, _ = statistics(tokens, lengths, 0)  # [P, D]
-    runs, valid = lookup(tokens, lengths)  # [P] each
-    sampled_tokens, sampled_lengths = text(SamplingConfig(temperature=CALIBRATION_TEMPERATURE))
-    sampled_ranks, mass = statistics(sampled_tokens, sampled_lengths, CALIBRATION_TOP_K)  # [P', D], [P', D, K]
-    sampled = SampledText(sampled_ranks, *lookup(sampled_tokens, sampled_lengths))
+    text = _calibration_text(target, GREEDY)  # (tokens [R, S], lengths [R], answer starts [R])
+    ranks, _ = statistics(*text, 0)  # [P, D]
+    runs, valid = lookup(*text)  # [P] each
+    answers = _calibration_text(target, SamplingConfig(temperature=CALIBRATION_TEMPERATURE))  # sampled
+    sampled_ranks, mass = statistics(*answers, CALIBRATION_TOP_K)  # [P', D], [P', D, K]
+    sampled = SampledText(sampled_ranks, *lookup(*answers))
     return ranks, runs, valid, mass, sampled

@@ -72,15 +72,12 @@ class DraftModelDrafter(ChainDrafter):
         cache = dataclasses.replace(state, lengths=length - 1)
         out = forward(params, cfg, tokens, positions, cache)
 
-        def to_target_vocab(logits):  # [B, Vd] -> [B, V]: the target's ids, -inf where the drafter has none
-            return _target_vocabulary(logits, target_cfg.vocab_size)
-
         def step(token, position, cache):
             cache = dataclasses.replace(cache, lengths=position)
             out = forward(params, cfg, token[:, None], position[:, None], cache)
-            return to_target_vocab(out.logits[:, 0]), out.cache
+            return _target_vocabulary(out.logits[:, 0], target_cfg.vocab_size), out.cache  # [B, V]
 
-        first = to_target_vocab(out.logits[:, 1])
+        first = _target_vocabulary(out.logits[:, 1], target_cfg.vocab_size)  # [B, V]
         tree, cache = draft_chain(step, first, length, self.depth, sampling, rng, out.cache, self.tree_width)
         return tree, cache, inputs.target_cache
 

@@ -104,7 +104,7 @@ __attribute__((target("avx512f"))) void row_times_columns_512(const W* wo, const
 // over matrices streamed from memory, 10-25% faster than 4 x 6 at 5-8 and 12-16 columns (16 = 8 + 8, two passes
 // over the rows instead of three), level at 3; on the Xeon's cached matrices the shapes had run within 10%.
 constexpr int kTileRows = 3;
-constexpr int kTileColumns = 8;  // 24 accumulators, 3 weight registers and one column register of the 32  // 24 accumulators, 4 weight registers and one column register of the 32
+constexpr int kTileColumns = 8;  // 24 accumulators, 3 weight registers and one column register of the 32
 template <typename W, int R, int G>
 __attribute__((target("avx512f"))) void tile_512(const W* w, const float* xr, float* y, int64_t in, int64_t columns,
                                                  bool prefetch) {
