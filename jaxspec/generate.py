@@ -523,6 +523,22 @@ def _continue_rows(weights: Weights, cfg: ModelConfig, state: RowsState, rng: ja
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
 
+def _take_similar_prompts(waiting: list[int], lengths: Sequence[int], size: int, window: int) -> list[int]:
+    """Removes `size` prompts from `waiting` (prompt indices, oldest first) for one prefill group and returns them:
+    the oldest, and the `size - 1` of the next `window - 1` whose lengths are nearest its own (ties to the older).
+
+    A group's prefill computes every position up to its longest prompt: in prompt order, the HumanEval-form code
+    prompts of `scripts/make_prompts.py` (64-256 tokens) filled 54% of the positions of their groups of 16, nearest
+    lengths within 128 prompts 83% (a third less prefill, where prefill is about half of regeneration's compute).
+    The oldest always goes, so no prompt waits for more than `window` others to start."""
+    front = waiting[0]
+    nearest = sorted(waiting[1:window], key=lambda i: (abs(lengths[i] - lengths[front]), i))[: max(size - 1, 0)]
+    taken = [front, *nearest]
+    chosen = set(taken)
+    waiting[:] = [i for i in waiting if i not in chosen]
+    return taken
+
+
 def continuous_generate(
     weights: Weights,
     cfg: ModelConfig,
@@ -544,7 +560,8 @@ def continuous_generate(
     `generate` runs a batch until its longest answer ends, so rows that finish early idle; here the rows decode
     `steps_per_sync` steps at a time, and between such chunks the host hands the finished rows' answers back and
     prefills waiting prompts into their rows (in groups of `start_group` rows, default batch_size / 8, each group
-    padded to a width of `pad_prompts`). Greedy answers equal `generate`'s; sampled ones are drawn with keys fixed
+    padded to a width of `pad_prompts`; a group is the oldest waiting prompt and those nearest its length among the
+    next ones, `_take_similar_prompts`). Greedy answers equal `generate`'s; sampled ones are drawn with keys fixed
     by (seed, the prompt's index, the token's index), so they do not depend on the batch either; `sample_ids`
     (int per prompt) replaces the prompt's index there, so that a caller answering a later part of a prompt list
     (a resumed regeneration) draws what a whole run would have.
@@ -576,13 +593,14 @@ def continuous_generate(
         cache=init_cache(cfg, b, cache_size, weights.embed.dtype, per_layer=isinstance(weights.layers, tuple)),
         last=jnp.zeros((b,), jnp.int32), out=jnp.full((b, n), PAD, jnp.int32), count=jnp.zeros((b,), jnp.int32),
         done=jnp.ones((b,), jnp.bool_), sample=jnp.zeros((b,), jnp.int32), features=features)
-    waiting = list(range(len(prompt_ids)))[::-1]  # popped from the end: prompt order
+    waiting = list(range(len(prompt_ids)))  # prompt indices, in order
+    lengths = [len(p) for p in prompt_ids]
     free = list(range(b))
     busy: dict[int, int] = {}  # row -> prompt index
     while waiting or busy:
         while free and waiting:
-            rows = [free.pop(0) for _ in range(min(group, len(free), len(waiting)))]
-            taken = [waiting.pop() for _ in rows]
+            taken = _take_similar_prompts(waiting, lengths, min(group, len(free)), window=8 * group)
+            rows = [free.pop(0) for _ in taken]
             pad = group - len(rows)  # a short group is filled with copies of its last prompt, written to no row
             members = taken + taken[-1:] * pad  # [R] prompt indices
             batch = pad_prompts([prompt_ids[i] for i in members], max_new_tokens, cfg)  # tokens [R, P], lengths [R]

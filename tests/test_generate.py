@@ -7,7 +7,15 @@ import pytest
 from conftest import fixture_path
 
 from jaxspec.errors import UserError
-from jaxspec.generate import PAD, continuous_generate, generate, generate_tokens, pad_prompts, stream_generate
+from jaxspec.generate import (
+    PAD,
+    _take_similar_prompts,
+    continuous_generate,
+    generate,
+    generate_tokens,
+    pad_prompts,
+    stream_generate,
+)
 from jaxspec.loading import load_model
 from jaxspec.sampling import SamplingConfig, process_logits, sample_token
 
@@ -259,6 +267,16 @@ def test_continuous_batching_answers_like_generate_row_by_row(name, layers, monk
         # 8,960 at 3.4e-5 differed by 1.4e-6; the features themselves are of order 0.1-1)
         np.testing.assert_allclose(features.astype(np.float32), reference, rtol=2 ** -7, atol=1e-5)
     assert len(lengths) > 1  # rows did finish at different steps, so rows were refilled mid-run
+
+
+def test_a_prefill_group_takes_the_oldest_prompt_and_its_nearest_lengths():
+    lengths = [100, 30, 200, 95, 250, 104, 100, 40]
+    waiting = list(range(len(lengths)))
+    assert _take_similar_prompts(waiting, lengths, 3, window=6) == [0, 5, 3]  # 104 and 95 of 30, 200, 95, 250, 104
+    assert waiting == [1, 2, 4, 6, 7]
+    assert _take_similar_prompts(waiting, lengths, 3, window=3) == [1, 2, 4]  # only the next two in the window
+    assert _take_similar_prompts(waiting, lengths, 5, window=8) == [6, 7]  # fewer left than asked
+    assert waiting == []
 
 
 def test_continuous_batching_samples_do_not_depend_on_the_batch(tiny_llama3):
