@@ -598,7 +598,9 @@ def continuous_generate(
     free = list(range(b))
     busy: dict[int, int] = {}  # row -> prompt index
     while waiting or busy:
-        while free and waiting:
+        # a group starts once it can fill its rows (a short group is computed at full size anyway), or when no row
+        # is busy, or with the last prompts
+        while waiting and free and (len(free) >= min(group, len(waiting)) or not busy):
             taken = _take_similar_prompts(waiting, lengths, min(group, len(free)), window=8 * group)
             rows = [free.pop(0) for _ in taken]
             pad = group - len(rows)  # a short group is filled with copies of its last prompt, written to no row
