@@ -27,6 +27,13 @@
 #   .venv/bin/python scripts/make_prompts.py --kind math --count 1500 --out data/prompts-math.jsonl
 #   OUT=data/regen-smollm2-135m-code PROMPTS=data/prompts-code.jsonl MAX_PROMPT_TOKENS=256 BATCH=128 bash scripts/regenerate_data.sh
 #   OUT=data/regen-smollm2-135m-math PROMPTS=data/prompts-math.jsonl BATCH=256 bash scripts/regenerate_data.sh
+# All the code prompts the installed packages give (3,940 on the AMD EPYC of 2026-12-08 with llama-cpp-python
+# installed; 3,796 fit 256 tokens), and new arithmetic problems (another seed), for the next stage (started
+# 2026-12-08, the twenty-first session; resume with the same commands):
+#   .venv/bin/python scripts/make_prompts.py --kind code --count 100000 --out data/prompts-code-all.jsonl
+#   .venv/bin/python scripts/make_prompts.py --kind math --count 1500 --seed 1 --out data/prompts-math-s1.jsonl
+#   OUT=data/regen-smollm2-135m-code2 PROMPTS=data/prompts-code-all.jsonl MAX_PROMPT_TOKENS=256 BATCH=128 bash scripts/regenerate_data.sh
+#   OUT=data/regen-smollm2-135m-math2 PROMPTS=data/prompts-math-s1.jsonl BATCH=256 bash scripts/regenerate_data.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-data/regen-smollm2-135m-b64}
