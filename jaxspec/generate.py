@@ -529,7 +529,7 @@ def _take_similar_prompts(waiting: list[int], lengths: Sequence[int], size: int,
 
     A group's prefill computes every position up to its longest prompt: in prompt order, the HumanEval-form code
     prompts of `scripts/make_prompts.py` (64-256 tokens) filled 54% of the positions of their groups of 16, nearest
-    lengths within 128 prompts 83% (a third less prefill, where prefill is about half of regeneration's compute).
+    lengths within 128 prompts 83% (a third less prefill, which took 44% of a regeneration of such prompts).
     The oldest always goes, so no prompt waits for more than `window` others to start."""
     front = waiting[0]
     nearest = sorted(waiting[1:window], key=lambda i: (abs(lengths[i] - lengths[front]), i))[: max(size - 1, 0)]
@@ -561,8 +561,10 @@ def continuous_generate(
     `steps_per_sync` steps at a time, and between such chunks the host hands the finished rows' answers back and
     prefills waiting prompts into their rows (in groups of `start_group` rows, default batch_size / 8, each group
     padded to a width of `pad_prompts`; a group is the oldest waiting prompt and those nearest its length among the
-    next ones, `_take_similar_prompts`). Greedy answers equal `generate`'s; sampled ones are drawn with keys fixed
-    by (seed, the prompt's index, the token's index), so they do not depend on the batch either; `sample_ids`
+    next ones, `_take_similar_prompts`, and starts once it fills its rows, when no row is busy, or with the last
+    prompts: a short group is computed at full size with copies). Greedy answers equal `generate`'s; sampled ones
+    are drawn with keys fixed by (seed, the prompt's index, the token's index), so they do not depend on the batch
+    either; `sample_ids`
     (int per prompt) replaces the prompt's index there, so that a caller answering a later part of a prompt list
     (a resumed regeneration) draws what a whole run would have.
 
@@ -598,8 +600,6 @@ def continuous_generate(
     free = list(range(b))
     busy: dict[int, int] = {}  # row -> prompt index
     while waiting or busy:
-        # a group starts once it can fill its rows (a short group is computed at full size anyway), or when no row
-        # is busy, or with the last prompts
         while waiting and free and (len(free) >= min(group, len(waiting)) or not busy):
             taken = _take_similar_prompts(waiting, lengths, min(group, len(free)), window=8 * group)
             rows = [free.pop(0) for _ in taken]
